@@ -1,0 +1,177 @@
+"""Paged KV bookkeeping: the free lists, block tables, ref counts and the prefix cache.
+
+A block is in exactly one of three states: in use (ref_count > 0), cached-free (ref_count 0 but
+its content hash is still registered, so a later request with the same prefix can take it back)
+or free. Allocation prefers free blocks and only then evicts cached-free ones, least recently
+released first, so the prefix cache lives as long as memory allows.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from engine.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Hash of a full block that also covers everything before it (so equal hash = equal prefix)."""
+    return hash((prev_hash, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.cached_free: OrderedDict[int, None] = OrderedDict()
+        self.hash_to_block: dict[int, int] = {}
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation may take: truly free plus evictable cached ones."""
+        return len(self.free_blocks) + len(self.cached_free)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return len(self.cached_free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def num_new_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
+        covered = len(seq.block_table)
+        return max(0, self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens) - covered)
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.num_new_blocks(seq, num_new_tokens) <= self.num_free_blocks
+
+    # -- prefix cache ----------------------------------------------------------------------
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding a prefix of seq, without taking them.
+
+        At least one token is always left to compute, because the step needs the logits of
+        the last one.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            block_id = self.hash_to_block.get(self.block_hash(seq, i))
+            if block_id is None or self.blocks[block_id].token_ids != self._block_tokens(seq, i):
+                break
+            hits.append(block_id)
+        return hits
+
+    def block_hash(self, seq: Sequence, i: int) -> int:
+        """Chained hash of seq's i-th full block; memoised because full blocks never change."""
+        while len(seq.block_hashes) <= i:
+            j = len(seq.block_hashes)
+            prev = seq.block_hashes[-1] if j else None
+            seq.block_hashes.append(chain_hash(prev, self._block_tokens(seq, j)))
+        return seq.block_hashes[i]
+
+    def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
+        return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+
+    def can_allocate(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
+        """Whether seq (with no blocks yet) can take its prefix hits and num_new_tokens slots."""
+        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        total = self.blocks_for_tokens(len(hits) * self.block_size + num_new_tokens)
+        return total - len(hits) + revived <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> None:
+        """Give a newly admitted seq its shared prefix blocks plus fresh ones for its chunk."""
+        assert not seq.block_table, "allocate() is for a sequence that holds no blocks"
+        self.prefix_queries += seq.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        for block_id in hits:
+            self._take(block_id)
+            seq.block_table.append(block_id)
+        seq.num_computed_tokens = len(hits) * self.block_size
+        seq.num_cached_tokens = seq.num_computed_tokens
+        self.append_slots(seq, num_new_tokens)
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
+        for _ in range(self.num_new_blocks(seq, num_new_tokens)):
+            seq.block_table.append(self._pop_free_block())
+
+    def commit_full_blocks(self, seq: Sequence, num_computed_before: int) -> None:
+        """Register the content hash of blocks that became full, so later prefixes can share."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for i in range(num_computed_before // bs, seq.num_computed_tokens // bs):
+            block = self.blocks[seq.block_table[i]]
+            self._register(block, self.block_hash(seq, i), self._block_tokens(seq, i))
+
+    def _register(self, block: Block, block_hash: int, tokens: tuple[int, ...]) -> None:
+        if block.hash is not None:
+            return  # a shared prefix block, registered by whoever computed it
+        block.token_ids = tokens
+        if block_hash not in self.hash_to_block:
+            block.hash = block_hash
+            self.hash_to_block[block_hash] = block.block_id
+        # else: the same content was computed twice concurrently; this copy stays private.
+
+    # -- release ---------------------------------------------------------------------------
+    def free(self, seq: Sequence) -> None:
+        """Drop seq's references; tail blocks are released first so they are evicted first."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                self._release(block)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    def reset_prefix_cache(self) -> None:
+        for block_id in list(self.cached_free):
+            self._forget(self.blocks[block_id])
+            self.free_blocks.append(block_id)
+        self.cached_free.clear()
+
+    # -- internals -------------------------------------------------------------------------
+    def _release(self, block: Block) -> None:
+        if block.hash is not None:
+            self.cached_free[block.block_id] = None
+        else:
+            block.token_ids = ()
+            self.free_blocks.append(block.block_id)
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.cached_free[block_id]
+        block.ref_count += 1
+
+    def _pop_free_block(self) -> int:
+        if self.free_blocks:
+            block_id = self.free_blocks.popleft()
+        else:
+            block_id, _ = self.cached_free.popitem(last=False)
+            self._forget(self.blocks[block_id])
+        self.blocks[block_id].ref_count = 1
+        return block_id
+
+    def _forget(self, block: Block) -> None:
+        if block.hash is not None and self.hash_to_block.get(block.hash) == block.block_id:
+            del self.hash_to_block[block.hash]
+        block.hash, block.token_ids = None, ()

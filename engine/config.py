@@ -1,0 +1,92 @@
+"""Engine configuration: every knob the user can turn, validated up front."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
+MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
+
+
+def _fail(field: str, value, allowed: str) -> None:
+    raise ValueError(f"EngineConfig.{field}={value!r} is invalid: expected {allowed}")
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclass
+class EngineConfig:
+    model: str = "default"
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    kv_dtype: str = "auto"
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            _fail("model", self.model, '"default", a checkpoint folder or a .gguf file')
+        if self.device not in DEVICES:
+            _fail("device", self.device, f"one of {DEVICES}")
+        if self.dtype not in MODEL_DTYPES:
+            _fail("dtype", self.dtype, f"one of {MODEL_DTYPES}")
+        if self.kv_dtype not in KV_DTYPES:
+            _fail("kv_dtype", self.kv_dtype, f"one of {KV_DTYPES}")
+        if not _is_int(self.block_size) or not _is_power_of_two(self.block_size) \
+                or self.block_size > 256:
+            _fail("block_size", self.block_size, "a power of two from 1 to 256")
+        if not _is_int(self.kv_cache_bytes) or self.kv_cache_bytes <= 0:
+            _fail("kv_cache_bytes", self.kv_cache_bytes, "a positive number of bytes")
+        if self.num_kv_blocks is not None and (not _is_int(self.num_kv_blocks)
+                                               or self.num_kv_blocks < 1):
+            _fail("num_kv_blocks", self.num_kv_blocks, "None or an integer >= 1")
+        if not _is_int(self.max_num_seqs) or self.max_num_seqs < 1:
+            _fail("max_num_seqs", self.max_num_seqs, "an integer >= 1")
+        if not _is_int(self.max_num_batched_tokens) or self.max_num_batched_tokens < 1:
+            _fail("max_num_batched_tokens", self.max_num_batched_tokens, "an integer >= 1")
+        if self.max_model_len is not None and (not _is_int(self.max_model_len)
+                                               or self.max_model_len < 2):
+            _fail("max_model_len", self.max_model_len, "None or an integer >= 2")
+        if not isinstance(self.enable_prefix_caching, bool):
+            _fail("enable_prefix_caching", self.enable_prefix_caching, "True or False")
+        if not _is_int(self.seed):
+            _fail("seed", self.seed, "an integer")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def resolve_device(device: str) -> str:
+    """'auto' picks CUDA when a GPU is visible, else the CPU."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("EngineConfig.device='cuda' is invalid: no CUDA device is available")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str):
+    """'auto' means float32 on CPU (bf16 matmuls are slow there) and bfloat16 on CUDA."""
+    import torch
+
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    return getattr(torch, dtype)

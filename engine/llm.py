@@ -1,0 +1,76 @@
+"""The offline API: `LLM(EngineConfig(...)).generate(prompts, SamplingParams(...))`."""
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
+        config = config or EngineConfig(**overrides)
+        self.engine = LLMEngine(config)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 params: SamplingParams | Seq[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """One output per prompt, in order. Every prompt is checked before any is queued,
+        so a bad one raises without leaving the others half-run."""
+        prompts = [prompts] if _is_single_prompt(prompts) else list(prompts)
+        params_list = _broadcast(params, len(prompts))
+        for prompt, p in zip(prompts, params_list):
+            p.validate()
+            self.engine.check_prompt_fits(self.engine.tokenize(prompt))
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        pending = set(ids)
+        while pending:
+            for delta in self.engine.step():
+                if delta.finished:
+                    pending.discard(delta.request_id)
+        return [self.engine.pop_output(i) for i in ids]
+
+    def chat(self, messages_list, params=None) -> list[RequestOutput]:
+        """Conversations as lists of {"role", "content"}; the tokenizer's chat template applies."""
+        if messages_list and isinstance(messages_list[0], dict):
+            messages_list = [messages_list]
+        prompts = [self.apply_chat_template(m) for m in messages_list]
+        return self.generate(prompts, params)
+
+    def apply_chat_template(self, messages) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+
+def _is_single_prompt(prompts) -> bool:
+    return isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], int))
+
+
+def _broadcast(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return params

@@ -1,0 +1,227 @@
+"""The step-level engine: add and abort requests, run one step, get token deltas.
+
+`LLM.generate` and the server are both loops over `step()`; there is no second path.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig, resolve_device, resolve_dtype
+from engine.detokenizer import decode_delta, decode_rest
+from engine.kv_cache import KVPool, kv_bytes_per_token, num_blocks_for_budget
+from engine.loader import LoadedModel, load_model
+from engine.model import PagedLlama
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput, TokenDelta
+from engine.sampler import make_generator, sample
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledSeq, Scheduler
+from engine.sequence import Sequence
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        config.validate()
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_dtype = resolve_dtype(config.kv_dtype if config.kv_dtype != "auto"
+                                      else config.dtype, self.device)
+        self.loaded = loaded or load_model(config.model, self.dtype)
+        self.tokenizer = self.loaded.tokenizer
+        hf = self.loaded.hf_config
+        self.max_model_len = config.max_model_len or hf.max_position_embeddings
+        self.model = PagedLlama(hf, self.loaded.state_dict, self.device, self.dtype,
+                                self.max_model_len)
+        self.requests: dict[str, Sequence] = {}
+        self.num_steps = 0
+        self.num_prompt_tokens = 0
+        self.num_generated_tokens = 0
+        self._ids = itertools.count()
+        self._rng = make_generator(config.seed)
+        self._build_pool()
+
+    # -- pool ------------------------------------------------------------------------------
+    def _build_pool(self) -> None:
+        cfg, shape = self.config, self.model.shape
+        per_token = kv_bytes_per_token(shape, self.kv_dtype)
+        num_blocks = cfg.num_kv_blocks or num_blocks_for_budget(
+            cfg.kv_cache_bytes, cfg.block_size, per_token)
+        if num_blocks < 1:
+            raise ValueError(f"EngineConfig.kv_cache_bytes={cfg.kv_cache_bytes} is invalid: "
+                             f"one block of {cfg.block_size} tokens needs "
+                             f"{cfg.block_size * per_token} bytes")
+        self.pool = KVPool.allocate(shape, num_blocks, cfg.block_size, self.kv_dtype, self.device)
+        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs,
+                                   cfg.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.pool)
+
+    # -- requests --------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request; bad input raises ValueError and leaves the engine untouched."""
+        params = params or SamplingParams()
+        params.validate()
+        token_ids = self.tokenize(prompt)
+        self.check_prompt_fits(token_ids)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        seq = Sequence(request_id, token_ids, params)
+        seed = params.seed if params.seed is not None else \
+            int(torch.randint(0, 2**62, (1,), generator=self._rng))
+        seq.generator = make_generator(seed)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty: give at least one character or token")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        vocab = self.model.shape.vocab_size
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+        bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool)
+               or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return list(prompt)
+
+    def check_prompt_fits(self, token_ids: list[int]) -> None:
+        n = len(token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens, more than max_model_len="
+                             f"{self.max_model_len} allows (at most {self.max_model_len - 1})")
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        if n + 1 > capacity:
+            raise ValueError(f"prompt has {n} tokens but the whole KV pool holds {capacity} "
+                             f"({self.block_manager.num_blocks} blocks of "
+                             f"{self.block_manager.block_size}); raise kv_cache_bytes")
+
+    def abort_request(self, request_id: str) -> bool:
+        seq = self.requests.get(request_id)
+        if seq is None or seq.is_finished:
+            return False
+        self.scheduler.finish(seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def pop_output(self, request_id: str) -> RequestOutput:
+        """The request's result; a finished one is forgotten afterwards."""
+        seq = self.requests[request_id]
+        if seq.is_finished:
+            del self.requests[request_id]
+        return self.output_of(seq)
+
+    # -- the step --------------------------------------------------------------------------
+    def step(self) -> list[TokenDelta]:
+        batch = self.scheduler.schedule()
+        deltas = [TokenDelta(s.request_id, [], "", True, s.finish_reason)
+                  for s in self._drain_capacity_finishes()]
+        if not batch:
+            return deltas
+        logits = self.runner.run(batch)
+        sampling = self._advance(batch)
+        if sampling:
+            tokens = sample(logits, sampling)
+            deltas += [self._append_token(seq, t) for seq, t in zip(sampling, tokens)]
+        self.num_steps += 1
+        self.last_batch = batch
+        return deltas
+
+    def _drain_capacity_finishes(self) -> list[Sequence]:
+        done, self.scheduler.finished_by_capacity = self.scheduler.finished_by_capacity, []
+        return done
+
+    def _advance(self, batch: list[ScheduledSeq]) -> list[Sequence]:
+        """Mark the step's tokens computed; return the sequences that now sample."""
+        sampling = []
+        for item in batch:
+            seq = item.seq
+            before = seq.num_computed_tokens
+            seq.num_computed_tokens += item.num_tokens
+            self.block_manager.commit_full_blocks(seq, before)
+            if seq.num_output_tokens == 0:
+                self.num_prompt_tokens += item.num_tokens
+            if seq.num_computed_tokens == seq.num_tokens:
+                sampling.append(seq)
+        return sampling
+
+    def _append_token(self, seq: Sequence, token: int) -> TokenDelta:
+        seq.token_ids.append(token)
+        self.num_generated_tokens += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        text = decode_delta(self.tokenizer, seq)
+        reason = self._stop_reason(seq, token)
+        if reason is not None:
+            text += decode_rest(self.tokenizer, seq, seq.text + text)
+        if seq.params.stop:
+            text, hit = self._cut_at_stop_string(seq, text)
+            reason = "stop" if hit else reason
+        seq.text += text
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        return TokenDelta(seq.request_id, [token], text, reason is not None, reason)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.loaded.eos_token_ids):
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    @staticmethod
+    def _cut_at_stop_string(seq: Sequence, text: str) -> tuple[str, bool]:
+        """Cut the reply before the first stop string (which is not returned)."""
+        longest = max(len(s) for s in seq.params.stop)
+        window_start = max(0, len(seq.text) - longest + 1)
+        combined = seq.text + text
+        hits = [i for i in (combined.find(s, window_start) for s in seq.params.stop) if i >= 0]
+        if not hits:
+            return text, False
+        cut = min(hits)
+        if cut < len(seq.text):  # the stop string began in text already streamed
+            seq.text = seq.text[:cut]
+            return "", True
+        return combined[len(seq.text):cut], True
+
+    # -- views -----------------------------------------------------------------------------
+    def output_of(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.output_token_ids,
+                             seq.text, seq.finish_reason, seq.num_cached_tokens,
+                             seq.num_preemptions)
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "num_kv_blocks": bm.num_blocks,
+            "block_size": bm.block_size,
+            "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
+            "kv_bytes_per_token": self.pool.bytes_per_token,
+            "kv_cache_bytes": self.pool.nbytes,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_cached_blocks": bm.num_cached_free_blocks,
+            "num_used_blocks": bm.num_used_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": self.num_steps,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_generated_tokens": self.num_generated_tokens,
+            "prefix_cache_queries": bm.prefix_queries,
+            "prefix_cache_hits": bm.prefix_hits,
+            "max_model_len": self.max_model_len,
+            "device": self.device,
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }

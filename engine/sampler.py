@@ -1,0 +1,46 @@
+"""Picks the next token of each sequence: greedy, or temperature with top-k / top-p."""
+from __future__ import annotations
+
+import torch
+
+from engine.sequence import Sequence
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """logits: [S, vocab] float32, one row per sequence in seqs."""
+    tokens = logits.argmax(dim=-1).tolist()
+    for i, seq in enumerate(seqs):
+        if not seq.params.greedy:
+            tokens[i] = sample_row(logits[i], seq)
+    return tokens
+
+
+def sample_row(logits: torch.Tensor, seq: Sequence) -> int:
+    p = seq.params
+    logits = logits / p.temperature
+    if p.top_k > 0:
+        logits = keep_top_k(logits, p.top_k)
+    if p.top_p < 1.0:
+        logits = keep_top_p(logits, p.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=seq.generator).item())
+
+
+def keep_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    if k >= logits.shape[-1]:
+        return logits
+    threshold = torch.topk(logits, k).values[-1]
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def keep_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Smallest set of tokens whose probability reaches top_p (the top token always stays)."""
+    sorted_logits, order = torch.sort(logits, descending=True)
+    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+    drop_sorted = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p
+    drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def make_generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)

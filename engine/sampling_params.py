@@ -1,0 +1,55 @@
+"""Per-request sampling settings, validated when created."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _fail(name: str, value, allowed: str) -> None:
+    raise ValueError(f"SamplingParams.{name}={value!r} is invalid: expected {allowed}")
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        self.validate()
+
+    def validate(self) -> None:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            _fail("max_tokens", self.max_tokens, "an integer >= 1")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            _fail("temperature", self.temperature, "a number >= 0 (0 = greedy)")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            _fail("top_p", self.top_p, "a number in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            _fail("top_k", self.top_k, "an integer >= 0 (0 = off)")
+        if self.seed is not None and not _is_int(self.seed):
+            _fail("seed", self.seed, "None or an integer")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            _fail("stop", self.stop, "a list of non-empty strings")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            _fail("stop_token_ids", self.stop_token_ids, "a list of token ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

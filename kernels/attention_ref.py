@@ -1,0 +1,84 @@
+"""Paged attention over block tables for a varlen batch of decode rows and prefill chunks.
+
+Torch reference: the CPU path of the engine and the oracle the Triton kernels are tested
+against. Queries of a sequence are the last q_len of its context_len tokens, whose K/V are
+already in the pool; each query attends causally to everything up to its own position.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step layout of the flattened batch; the *_list fields avoid device syncs."""
+    query_start_loc: list[int]        # [B + 1] offsets of each sequence's queries
+    context_lens: list[int]           # [B] tokens in the cache after this step's write
+    block_tables: torch.Tensor        # [B, max_blocks] int64, padded with 0
+    slot_mapping: torch.Tensor        # [T] int64
+    decode_rows: torch.Tensor | None  # indices of sequences with exactly one query
+    decode_context_lens: torch.Tensor | None
+    prefill_seqs: list[int]           # indices of sequences with several queries
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """[length, kv_heads, head_dim] of one sequence, read through its block table."""
+    block_size = cache.shape[1]
+    num_blocks = -(-length // block_size)
+    rows = cache[block_table[:num_blocks]]
+    return rows.reshape(num_blocks * block_size, *cache.shape[2:])[:length]
+
+
+def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """query: [T, heads, head_dim] -> [T, heads, head_dim]."""
+    out = torch.empty_like(query)
+    if meta.decode_rows is not None:
+        _decode_attention(query, k_cache, v_cache, meta, scale, out)
+    for i in meta.prefill_seqs:
+        _prefill_attention(query, k_cache, v_cache, meta, i, scale, out)
+    return out
+
+
+def _decode_attention(query, k_cache, v_cache, meta, scale, out) -> None:
+    """All single-query sequences at once: gather their blocks, mask past each length."""
+    rows = meta.decode_rows
+    starts = torch.tensor(meta.query_start_loc[:-1], dtype=torch.long)[rows]
+    lens = meta.decode_context_lens
+    max_len = int(lens.max())
+    block_size, kv_heads, head_dim = k_cache.shape[1:]
+    max_blocks = -(-max_len // block_size)
+    tables = meta.block_tables[rows, :max_blocks]
+    b = tables.shape[0]
+    k = k_cache[tables].reshape(b, max_blocks * block_size, kv_heads, head_dim)
+    v = v_cache[tables].reshape(b, max_blocks * block_size, kv_heads, head_dim)
+    heads = query.shape[1]
+    group = heads // kv_heads
+    q = query[starts].view(b, kv_heads, group, head_dim).float()
+    scores = torch.einsum("bkgd,blkd->bkgl", q, k.float()) * scale
+    pad = torch.arange(max_blocks * block_size) >= lens[:, None]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    o = torch.einsum("bkgl,blkd->bkgd", probs, v.float())
+    out[starts] = o.reshape(b, heads, head_dim).to(out.dtype)
+
+
+def _prefill_attention(query, k_cache, v_cache, meta, i, scale, out) -> None:
+    start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+    q_len, ctx = end - start, meta.context_lens[i]
+    k = gather_context(k_cache, meta.block_tables[i], ctx)
+    v = gather_context(v_cache, meta.block_tables[i], ctx)
+    group = query.shape[1] // k.shape[1]
+    q = query[start:end].transpose(0, 1)                      # [heads, q_len, d]
+    k = k.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
+    v = v.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
+    if q_len == ctx:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        q_pos = torch.arange(ctx - q_len, ctx)[:, None]
+        mask = torch.arange(ctx)[None, :] <= q_pos
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    out[start:end] = o.transpose(0, 1)
