@@ -112,12 +112,18 @@ class BlockManager:
         for _ in range(self.num_new_blocks(seq, num_new_tokens)):
             seq.block_table.append(self._pop_free_block())
 
-    def commit_full_blocks(self, seq: Sequence, num_computed_before: int) -> None:
-        """Register the content hash of blocks that became full, so later prefixes can share."""
+    def commit_full_blocks(self, seq: Sequence, num_computed_before: int,
+                           num_computed_after: int | None = None) -> None:
+        """Register the content hash of blocks that are full once the step has run.
+
+        The scheduler calls this when it schedules the chunk, not after the step: a request
+        admitted in the same step can then share them, which is safe because each layer writes
+        the whole step's K/V before any attention of that layer reads the pool.
+        """
         if not self.enable_prefix_caching:
             return
-        bs = self.block_size
-        for i in range(num_computed_before // bs, seq.num_computed_tokens // bs):
+        end = seq.num_computed_tokens if num_computed_after is None else num_computed_after
+        for i in range(num_computed_before // self.block_size, end // self.block_size):
             block = self.blocks[seq.block_table[i]]
             self._register(block, self.block_hash(seq, i), self._block_tokens(seq, i))
 

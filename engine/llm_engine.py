@@ -147,9 +147,7 @@ class LLMEngine:
         sampling = []
         for item in batch:
             seq = item.seq
-            before = seq.num_computed_tokens
             seq.num_computed_tokens += item.num_tokens
-            self.block_manager.commit_full_blocks(seq, before)
             if seq.num_output_tokens == 0:
                 self.num_prompt_tokens += item.num_tokens
             if seq.num_computed_tokens == seq.num_tokens:

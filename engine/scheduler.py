@@ -57,6 +57,7 @@ class Scheduler:
             if not self._make_room(seq, num_tokens):
                 continue
             self.block_manager.append_slots(seq, num_tokens)
+            self._commit(seq, num_tokens)
             scheduled.append(ScheduledSeq(seq, num_tokens))
             budget -= num_tokens
         # Admitting new work right after a preemption would only thrash the pool.
@@ -91,8 +92,13 @@ class Scheduler:
             self.block_manager.allocate(seq, hits, num_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self._commit(seq, num_tokens)
             scheduled.append(ScheduledSeq(seq, num_tokens))
             budget -= num_tokens
+
+    def _commit(self, seq: Sequence, num_tokens: int) -> None:
+        start = seq.num_computed_tokens
+        self.block_manager.commit_full_blocks(seq, start, start + num_tokens)
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

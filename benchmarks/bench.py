@@ -1,0 +1,570 @@
+"""Engine vs Hugging Face `generate` on one seeded mixed workload, plus MFU and KV waste.
+
+    python -m benchmarks.bench [--quick] [--json] [--profile] [engine options]
+    kvscope bench ...   /   make bench
+
+One workload (random.Random(seed)) of N requests with prompt and output lengths drawn
+from wide ranges is sent all at once:
+
+* through the engine (`LLM.generate`, greedy, ignore_eos=True, so every request produces
+  exactly its requested number of tokens), and
+* through Hugging Face `generate` with static batches of --batch-size requests in arrival
+  order: left padding with the EOS token as pad, an attention mask, greedy, and
+  max_new_tokens = min_new_tokens = the longest requested output of the batch, so a batch
+  runs until its longest request ends. Only requested tokens count as generated.
+
+Both get a tiny warm-up first and are timed with time.perf_counter.
+
+Definitions used in the report:
+
+* tokens/s: requested (= generated) output tokens / wall seconds of the whole workload.
+* MFU: model FLOPs of the workload / seconds / measured peak. The peak is this machine's
+  best matmul FLOP/s, measured in the same run (torch.mm at the model's dtype and device,
+  a square 1024^3 GEMM and the model's own [256, hidden] x [hidden, intermediate] GEMM,
+  best of several repetitions). Model FLOPs count the work a request needs, once:
+  each request feeds prompt + output - 1 tokens through the layers (the last sampled token
+  is never fed back) at 2 x (layer matmul weights) FLOPs each, computes output rows of
+  logits at 2 x hidden x vocab each, and spends 4 x heads x head_dim x context FLOPs per
+  layer and fed token on causal attention (QK^T and PV). Work redone after a preemption is
+  not useful work: it is reported separately as engine_hfu (hardware FLOPs utilisation),
+  counted from what the model runner was actually given.
+* KV waste: share of allocated KV slots that never hold a token, from the workload's
+  lengths, counting each request as prompt + output tokens of KV at its end:
+  kv_waste_paged: each request holds ceil(T / block_size) blocks;
+  kv_waste_reserved: each request reserves --reserve-len slots (default: the engine's
+  max_model_len), as a contiguous per-request cache sized for the longest request would;
+  kv_waste_static_batch: the HF static batch's cache, (longest prompt + longest output of
+  the batch) slots per row.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# (requests, min_prompt, max_prompt, min_output, max_output)
+DEFAULT_WORKLOAD = (32, 16, 256, 8, 128)
+QUICK_WORKLOAD = (8, 16, 64, 8, 32)
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_tokens: int
+
+    @property
+    def total(self) -> int:
+        return len(self.prompt) + self.max_tokens
+
+
+def log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+# -- options -------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    from engine.cli import add_engine_options
+
+    p = argparse.ArgumentParser(
+        prog="kvscope bench",
+        description="Engine (continuous batching, paged KV) vs Hugging Face generate "
+                    "(static batches) on one seeded mixed workload.")
+    w = p.add_argument_group("workload")
+    w.add_argument("--requests", type=int, default=None,
+                   help=f"number of requests (default {DEFAULT_WORKLOAD[0]}, "
+                        f"--quick {QUICK_WORKLOAD[0]})")
+    w.add_argument("--min-prompt", type=int, default=None)
+    w.add_argument("--max-prompt", type=int, default=None)
+    w.add_argument("--min-output", type=int, default=None)
+    w.add_argument("--max-output", type=int, default=None)
+    w.add_argument("--quick", action="store_true",
+                   help="small workload that finishes well under a minute")
+    b = p.add_argument_group("baseline and report")
+    b.add_argument("--batch-size", type=int, default=8,
+                   help="Hugging Face static batch size (default 8)")
+    b.add_argument("--skip-hf", action="store_true", help="run the engine only")
+    b.add_argument("--reserve-len", type=int, default=None,
+                   help="per-request reservation for kv_waste_reserved "
+                        "(default: the engine's max_model_len)")
+    b.add_argument("--profile", action="store_true",
+                   help="report where engine step time goes (model forward vs the rest)")
+    b.add_argument("--json", action="store_true",
+                   help="print exactly one JSON object on stdout (table goes to stderr)")
+    add_engine_options(p)  # --model --device --dtype --block-size --kv-cache-bytes --seed ...
+    return p
+
+
+def resolve_workload_args(args) -> None:
+    defaults = QUICK_WORKLOAD if args.quick else DEFAULT_WORKLOAD
+    names = ("requests", "min_prompt", "max_prompt", "min_output", "max_output")
+    for name, default in zip(names, defaults):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    if args.requests < 1:
+        raise ValueError("--requests must be >= 1")
+    if not 1 <= args.min_prompt <= args.max_prompt:
+        raise ValueError("need 1 <= --min-prompt <= --max-prompt")
+    if not 1 <= args.min_output <= args.max_output:
+        raise ValueError("need 1 <= --min-output <= --max-output")
+    if args.batch_size < 1:
+        raise ValueError("--batch-size must be >= 1")
+
+
+# -- workload ------------------------------------------------------------------------------
+def special_token_ids(tokenizer) -> set[int]:
+    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+    try:
+        ids.update(tokenizer.get_added_vocab().values())
+    except Exception:  # noqa: BLE001 - a tokenizer without added vocab
+        pass
+    return ids
+
+
+def build_workload(seed: int, n: int, prompt_range: tuple[int, int],
+                   output_range: tuple[int, int], vocab_size: int,
+                   exclude: set[int]) -> list[Request]:
+    """Random token-id prompts (no special tokens) with uniform random lengths."""
+    rng = random.Random(seed)
+    allowed = [t for t in range(vocab_size) if t not in exclude]
+    out = []
+    for _ in range(n):
+        plen = rng.randint(*prompt_range)
+        olen = rng.randint(*output_range)
+        out.append(Request([rng.choice(allowed) for _ in range(plen)], olen))
+    return out
+
+
+# -- FLOPs, peak, KV waste -----------------------------------------------------------------
+def matmul_params_per_layer(model) -> int:
+    """Weights every fed token multiplies through (all layers)."""
+    return sum(w.numel() for layer in model.layers
+               for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+
+
+def attention_flops(shape, context_sum: int) -> int:
+    """QK^T and PV: 2 matmuls x 2 FLOPs x heads x head_dim per (query, key) pair, per layer."""
+    return 4 * shape.num_heads * shape.head_dim * shape.num_layers * context_sum
+
+
+def model_flops(model, fed_tokens: int, logit_rows: int, context_sum: int) -> int:
+    shape = model.shape
+    return (2 * matmul_params_per_layer(model) * fed_tokens
+            + 2 * model.lm_head.numel() * logit_rows
+            + attention_flops(shape, context_sum))
+
+
+def workload_flops(model, reqs: list[Request]) -> int:
+    """Useful model FLOPs: each request once, prompt + output - 1 tokens fed, causal."""
+    fed = sum(r.total - 1 for r in reqs)
+    rows = sum(r.max_tokens for r in reqs)
+    ctx = sum(n * (n + 1) // 2 for n in (r.total - 1 for r in reqs))
+    return model_flops(model, fed, rows, ctx)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def measure_matmul_flops(device: str, dtype, shapes: list[tuple[int, int, int]],
+                         reps: int = 5, min_seconds: float = 0.05) -> dict[str, float]:
+    """Best FLOP/s of torch.mm per (m, k, n) shape, each best of `reps` timed loops."""
+    import torch
+
+    results = {}
+    for m, k, n in shapes:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        flops = 2 * m * k * n
+        torch.mm(a, b)
+        _sync(device)
+        iters = 1
+        while True:  # size the loop so one timing lasts at least min_seconds
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                torch.mm(a, b)
+            _sync(device)
+            dt = time.perf_counter() - t0
+            if dt >= min_seconds:
+                break
+            iters *= 2
+        best = iters * flops / dt
+        for _ in range(reps - 1):
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                torch.mm(a, b)
+            _sync(device)
+            best = max(best, iters * flops / (time.perf_counter() - t0))
+        results[f"{m}x{k}x{n}"] = best
+    return results
+
+
+def kv_waste(reqs: list[Request], block_size: int, reserve_len: int,
+             batch_size: int) -> dict[str, float]:
+    used = sum(r.total for r in reqs)
+    paged = sum(math.ceil(r.total / block_size) * block_size for r in reqs)
+    reserved = sum(max(reserve_len, r.total) for r in reqs)
+    static = 0
+    for i in range(0, len(reqs), batch_size):
+        batch = reqs[i:i + batch_size]
+        row = max(len(r.prompt) for r in batch) + max(r.max_tokens for r in batch)
+        static += row * len(batch)
+    return {
+        "kv_waste_paged": 1 - used / paged,
+        "kv_waste_reserved": 1 - used / reserved,
+        "kv_waste_static_batch": 1 - used / static,
+    }
+
+
+# -- engine --------------------------------------------------------------------------------
+class Timer:
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+
+    def wrap(self, fn, device: str):
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                _sync(device)
+                self.seconds += time.perf_counter() - t0
+                self.calls += 1
+        return timed
+
+
+class RunnerCounter:
+    """Wraps the runner instance's `run` to count what the model was actually given."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.fed_tokens = 0
+        self.logit_rows = 0
+        self.context_sum = 0
+        self.peak_used_blocks = 0
+        self.max_batch_seqs = 0
+        original = engine.runner.run
+
+        def run(batch):
+            for item in batch:
+                start, n = item.seq.num_computed_tokens, item.num_tokens
+                self.fed_tokens += n
+                self.context_sum += n * start + n * (n + 1) // 2
+                if start + n == item.seq.num_tokens:
+                    self.logit_rows += 1
+            self.max_batch_seqs = max(self.max_batch_seqs, len(batch))
+            self.peak_used_blocks = max(self.peak_used_blocks,
+                                        engine.block_manager.num_used_blocks)
+            return original(batch)
+
+        engine.runner.run = run
+
+
+def install_profile(engine) -> dict[str, Timer]:
+    """Time the step and its parts by wrapping instance attributes (no engine edits)."""
+    dev = engine.device
+    timers = {name: Timer() for name in
+              ("step", "schedule", "runner", "prepare", "forward", "logits", "append")}
+    engine.step = timers["step"].wrap(engine.step, dev)
+    engine.scheduler.schedule = timers["schedule"].wrap(engine.scheduler.schedule, dev)
+    engine.runner.run = timers["runner"].wrap(engine.runner.run, dev)
+    engine.runner.prepare = timers["prepare"].wrap(engine.runner.prepare, dev)
+    engine.model.forward = timers["forward"].wrap(engine.model.forward, dev)
+    engine.model.compute_logits = timers["logits"].wrap(engine.model.compute_logits, dev)
+    engine._append_token = timers["append"].wrap(engine._append_token, "cpu")
+    return timers
+
+
+def profile_report(timers: dict[str, Timer], total_seconds: float) -> dict:
+    t = {k: v.seconds for k, v in timers.items()}
+    step = t["step"] or 1e-12
+    model = t["forward"] + t["logits"]
+    prepare = t["prepare"]
+    # runner.run minus its parts: picking last rows, the empty-logits path.
+    runner_other = max(0.0, t["runner"] - model - prepare)
+    rest = max(0.0, step - t["runner"] - t["schedule"] - t["append"])
+    parts = {
+        "model_forward": model,
+        "runner_prepare_inputs": prepare + runner_other,
+        "scheduler": t["schedule"],
+        "append_detokenize_stop": t["append"],
+        "sampler_and_other": rest,
+    }
+    return {
+        "step_seconds": t["step"],
+        "num_steps": timers["step"].calls,
+        "generate_seconds": total_seconds,
+        "outside_step_seconds": max(0.0, total_seconds - t["step"]),
+        "seconds": parts,
+        "share_of_step": {k: v / step for k, v in parts.items()},
+        "model_forward_share": model / step,
+        "non_model_share": 1 - model / step,
+    }
+
+
+def run_engine(args, reqs: list[Request], llm) -> dict:
+    from engine import SamplingParams
+
+    engine = llm.engine
+    vocab = engine.model.shape.vocab_size
+    # Warm-up: a few short requests (prompts of other random tokens: no prefix-cache hits).
+    wrng = random.Random(args.seed + 1)
+    warm = [[wrng.randrange(100, vocab) for _ in range(24)] for _ in range(4)]
+    llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True))
+    before = llm.stats()
+
+    counter = RunnerCounter(engine)
+    timers = install_profile(engine) if args.profile else None
+    params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
+    log(f"engine: {len(reqs)} requests ...")
+    t0 = time.perf_counter()
+    outs = llm.generate([r.prompt for r in reqs], params)
+    _sync(engine.device)
+    seconds = time.perf_counter() - t0
+    after = llm.stats()
+
+    got = [len(o.token_ids) for o in outs]
+    want = [r.max_tokens for r in reqs]
+    if got != want:
+        bad = [(i, g, w) for i, (g, w) in enumerate(zip(got, want)) if g != w]
+        raise RuntimeError(f"engine produced other output lengths than requested: {bad[:5]}")
+    result = {
+        "seconds": seconds,
+        "outputs": [list(o.token_ids) for o in outs],
+        "num_steps": after["num_steps"] - before["num_steps"],
+        "num_preemptions": after["num_preemptions"] - before["num_preemptions"],
+        "prefix_cache_hits": after["prefix_cache_hits"] - before["prefix_cache_hits"],
+        "fed_tokens": counter.fed_tokens,
+        "flops_executed": model_flops(engine.model, counter.fed_tokens, counter.logit_rows,
+                                      counter.context_sum),
+        "peak_used_blocks": counter.peak_used_blocks,
+        "max_batch_seqs": counter.max_batch_seqs,
+        "stats": after,
+    }
+    if timers is not None:
+        result["profile"] = profile_report(timers, seconds)
+    return result
+
+
+# -- Hugging Face baseline -----------------------------------------------------------------
+def load_hf(checkpoint, device: str, dtype):
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
+    return model.to(device).eval()
+
+
+def hf_generate_batch(model, batch: list[Request], pad_id: int, device: str) -> list[list[int]]:
+    import torch
+
+    width = max(len(r.prompt) for r in batch)
+    max_new = max(r.max_tokens for r in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for i, r in enumerate(batch):  # left padding
+        ids[i, width - len(r.prompt):] = torch.tensor(r.prompt)
+        mask[i, width - len(r.prompt):] = 1
+    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                         max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
+                         pad_token_id=pad_id, eos_token_id=pad_id,
+                         temperature=None, top_p=None, top_k=None)
+    new = out[:, width:].tolist()
+    return [row[:r.max_tokens] for row, r in zip(new, batch)]
+
+
+def run_hf(args, reqs: list[Request], model, pad_id: int, device: str) -> dict:
+    import torch
+
+    with torch.inference_mode():
+        wrng = random.Random(args.seed + 2)
+        vocab = model.config.vocab_size
+        warm = [Request([wrng.randrange(100, vocab) for _ in range(n)], 4) for n in (16, 24)]
+        hf_generate_batch(model, warm, pad_id, device)
+        outputs: list[list[int]] = []
+        bs = args.batch_size
+        log(f"hf: {len(reqs)} requests in static batches of {bs} ...")
+        t0 = time.perf_counter()
+        for i in range(0, len(reqs), bs):
+            outputs += hf_generate_batch(model, reqs[i:i + bs], pad_id, device)
+        _sync(device)
+        seconds = time.perf_counter() - t0
+    short = [i for i, (o, r) in enumerate(zip(outputs, reqs)) if len(o) != r.max_tokens]
+    if short:
+        raise RuntimeError(f"HF stopped early on requests {short[:5]}")
+    return {"seconds": seconds, "outputs": outputs}
+
+
+# -- report --------------------------------------------------------------------------------
+def run_bench(args) -> dict:
+    """Run the whole benchmark; returns the report dict (what --json prints)."""
+    import torch
+
+    from engine import LLM
+    from engine.cli import engine_config_from_args
+
+    resolve_workload_args(args)
+    config = engine_config_from_args(args)
+    log("loading the engine ...")
+    t0 = time.perf_counter()
+    llm = LLM(config)
+    log(f"engine loaded in {time.perf_counter() - t0:.1f} s")
+    engine = llm.engine
+    shape = engine.model.shape
+    tok = llm.tokenizer
+    reqs = build_workload(args.seed, args.requests, (args.min_prompt, args.max_prompt),
+                          (args.min_output, args.max_output), shape.vocab_size,
+                          special_token_ids(tok))
+    prompt_tokens = sum(len(r.prompt) for r in reqs)
+    gen_tokens = sum(r.max_tokens for r in reqs)
+    max_len = engine.max_model_len
+    too_long = [r.total for r in reqs if r.total > max_len]
+    if too_long:
+        raise ValueError(f"requests of {max(too_long)} tokens exceed max_model_len={max_len}")
+
+    log("measuring matmul peak ...")
+    mm_shapes = [(1024, 1024, 1024), (256, shape.hidden_size, engine.model.layers[0].down.shape[1])]
+    mm = measure_matmul_flops(engine.device, engine.dtype, mm_shapes)
+    peak = max(mm.values())
+
+    eng = run_engine(args, reqs, llm)
+    useful_flops = workload_flops(engine.model, reqs)
+    stats = eng["stats"]
+    reserve_len = args.reserve_len or stats["max_model_len"]
+    report = {
+        "num_requests": len(reqs),
+        "prompt_tokens": prompt_tokens,
+        "generated_tokens": gen_tokens,
+        "engine_seconds": eng["seconds"],
+        "engine_tokens_per_s": gen_tokens / eng["seconds"],
+        "engine_total_tokens_per_s": (prompt_tokens + gen_tokens) / eng["seconds"],
+        "hf_seconds": None,
+        "hf_tokens_per_s": None,
+        "speedup": None,
+        "matmul_gflops": peak / 1e9,
+        "matmul_gflops_by_shape": {k: v / 1e9 for k, v in mm.items()},
+        "model_gflops_useful": useful_flops / 1e9,
+        "engine_achieved_gflops": useful_flops / eng["seconds"] / 1e9,
+        "engine_mfu": useful_flops / eng["seconds"] / peak,
+        "engine_hfu": eng["flops_executed"] / eng["seconds"] / peak,
+        "hf_mfu": None,
+        "num_preemptions": eng["num_preemptions"],
+        "recomputed_tokens": eng["fed_tokens"] - sum(r.total - 1 for r in reqs),
+        "num_steps": eng["num_steps"],
+        "max_batch_seqs": eng["max_batch_seqs"],
+        "peak_kv_blocks_used": eng["peak_used_blocks"],
+        "num_kv_blocks": stats["num_kv_blocks"],
+        "peak_kv_pool_usage": eng["peak_used_blocks"] / stats["num_kv_blocks"],
+        "kv_reserve_len": reserve_len,
+        **kv_waste(reqs, stats["block_size"], reserve_len, args.batch_size),
+        "hf_first_token_match": None,
+        "config": {
+            **config.to_dict(),
+            "device": engine.device,
+            "dtype": stats["dtype"],
+            "kv_dtype": stats["kv_dtype"],
+            "kv_bytes_per_token": stats["kv_bytes_per_token"],
+            "max_model_len": stats["max_model_len"],
+            "requests": args.requests,
+            "prompt_range": [args.min_prompt, args.max_prompt],
+            "output_range": [args.min_output, args.max_output],
+            "hf_batch_size": args.batch_size,
+            "quick": args.quick,
+            "torch_threads": torch.get_num_threads(),
+            "torch_version": torch.__version__,
+        },
+    }
+    if "profile" in eng:
+        report["profile"] = eng["profile"]
+    if not args.skip_hf:
+        log("loading the Hugging Face reference ...")
+        hf_model = load_hf(engine.loaded.checkpoint, engine.device, engine.dtype)
+        pad_id = tok.eos_token_id if tok.eos_token_id is not None else 0
+        hf = run_hf(args, reqs, hf_model, pad_id, engine.device)
+        report["hf_seconds"] = hf["seconds"]
+        report["hf_tokens_per_s"] = gen_tokens / hf["seconds"]
+        report["speedup"] = hf["seconds"] / eng["seconds"]
+        report["hf_mfu"] = useful_flops / hf["seconds"] / peak
+        report["hf_first_token_match"] = sum(
+            a[:1] == b[:1] for a, b in zip(eng["outputs"], hf["outputs"])) / len(reqs)
+    return report
+
+
+def _fmt(v, spec: str, unit: str = "") -> str:
+    return "-" if v is None else f"{v:{spec}}{unit}"
+
+
+def format_table(r: dict) -> str:
+    c = r["config"]
+    rows = [
+        ("workload", f"{r['num_requests']} requests, prompt {c['prompt_range'][0]}-"
+                     f"{c['prompt_range'][1]}, output {c['output_range'][0]}-"
+                     f"{c['output_range'][1]} (seed {c['seed']})"),
+        ("tokens", f"{r['prompt_tokens']} prompt + {r['generated_tokens']} generated"),
+        ("device", f"{c['device']} {c['dtype']}, {c['torch_threads']} threads, "
+                   f"matmul peak {r['matmul_gflops']:.1f} GFLOP/s"),
+        ("", ""),
+        ("", f"{'engine':>12} {'HF static':>12}"),
+        ("seconds", f"{_fmt(r['engine_seconds'], '12.2f')} {_fmt(r['hf_seconds'], '12.2f')}"),
+        ("generated tok/s", f"{_fmt(r['engine_tokens_per_s'], '12.1f')} "
+                            f"{_fmt(r['hf_tokens_per_s'], '12.1f')}"),
+        ("MFU", f"{_fmt(r['engine_mfu'] * 100, '11.1f', '%')} "
+                f"{_fmt(r['hf_mfu'] and r['hf_mfu'] * 100, '11.1f', '%')}"),
+        ("speedup", f"{_fmt(r['speedup'], '11.2f', 'x')}"),
+        ("", ""),
+        ("engine steps", f"{r['num_steps']} (max {r['max_batch_seqs']} seqs in a step)"),
+        ("preemptions", f"{r['num_preemptions']} ({r['recomputed_tokens']} tokens recomputed, "
+                        f"HFU {r['engine_hfu'] * 100:.1f}%)"),
+        ("KV pool", f"{r['num_kv_blocks']} blocks of {c['block_size']}, peak use "
+                    f"{r['peak_kv_pool_usage'] * 100:.0f}%"),
+        ("KV waste paged", f"{r['kv_waste_paged'] * 100:.1f}% of allocated slots never written"),
+        ("KV waste reserved", f"{r['kv_waste_reserved'] * 100:.1f}% "
+                              f"(reserving {r['kv_reserve_len']} per request)"),
+        ("KV waste HF batch", f"{r['kv_waste_static_batch'] * 100:.1f}% (padded static batches)"),
+    ]
+    if r["hf_first_token_match"] is not None:
+        rows.append(("first-token match", f"{r['hf_first_token_match'] * 100:.0f}% of requests "
+                                          "(engine vs HF greedy)"))
+    if "profile" in r:
+        p = r["profile"]
+        rows.append(("", ""))
+        rows.append(("profile", f"{p['num_steps']} steps, {p['step_seconds']:.2f} s in step(), "
+                                f"{p['outside_step_seconds']:.2f} s outside"))
+        for name, share in p["share_of_step"].items():
+            rows.append((f"  {name}", f"{share * 100:5.1f}%  ({p['seconds'][name]:.2f} s)"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}".rstrip() for k, v in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        report = run_bench(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"kvscope bench: error: {exc}", file=sys.stderr)
+        return 2
+    table = format_table(report)
+    if args.json:
+        print(table, file=sys.stderr)
+        print(json.dumps(report))
+    else:
+        print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""`kvscope` command line: generate and bench (serve, gui and trace come later)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from engine.config import DEFAULT_KV_CACHE_BYTES, KV_DTYPES, MODEL_DTYPES
+
+
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine options")
+    g.add_argument("--model", default="default",
+                   help='"default" (embedded SmolLM2-135M-Instruct), a checkpoint folder or a .gguf')
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--dtype", default="auto", choices=MODEL_DTYPES)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES)
+    g.add_argument("--kv-cache-bytes", type=parse_bytes, default=DEFAULT_KV_CACHE_BYTES,
+                   help="KV memory budget, e.g. 268435456, 256M or 1G")
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=512)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def parse_bytes(text: str) -> int:
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def engine_config_from_args(args):
+    from engine import EngineConfig
+
+    return EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+        kv_dtype=args.kv_dtype, kv_cache_bytes=args.kv_cache_bytes,
+        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching, seed=args.seed)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvscope", description="See and steer what a local LLM engine does with its KV cache")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate a reply, streamed to stdout")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sampling-seed", type=int, default=None,
+                     help="per-request sampling seed (--seed seeds the engine)")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--raw", action="store_true", help="no chat template: complete the text")
+    gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    add_engine_options(gen)
+    bench = sub.add_parser("bench", help="engine vs Hugging Face generate on a mixed workload",
+                           add_help=False)
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def cmd_generate(args) -> int:
+    from engine import SamplingParams
+    from engine.llm_engine import LLMEngine
+
+    try:
+        engine = LLMEngine(engine_config_from_args(args))
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
+                                stop=args.stop)
+        prompt = args.prompt if args.raw else chat_prompt(engine.tokenizer, args.prompt)
+        request_id = engine.add_request(prompt, params)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"kvscope: error: {exc}", file=sys.stderr)
+        return 2
+    while engine.has_unfinished():
+        for delta in engine.step():
+            if not args.json:
+                print(delta.text, end="", flush=True)
+    output = engine.pop_output(request_id)
+    if args.json:
+        print(json.dumps({"request_id": output.request_id, "text": output.text,
+                          "token_ids": output.token_ids, "finish_reason": output.finish_reason,
+                          "prompt_token_ids": output.prompt_token_ids,
+                          "stats": engine.stats()}))
+    else:
+        print()
+    return 0
+
+
+def chat_prompt(tokenizer, text: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                        add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def cmd_bench(args) -> int:
+    from benchmarks.bench import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "generate":
+        return cmd_generate(args)
+    return cmd_bench(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
