@@ -122,10 +122,9 @@ def resolve_workload_args(args) -> None:
 # -- workload ------------------------------------------------------------------------------
 def special_token_ids(tokenizer) -> set[int]:
     ids = set(getattr(tokenizer, "all_special_ids", []) or [])
-    try:
-        ids.update(tokenizer.get_added_vocab().values())
-    except Exception:  # noqa: BLE001 - a tokenizer without added vocab
-        pass
+    get_added = getattr(tokenizer, "get_added_vocab", None)
+    if get_added is not None:
+        ids.update(get_added().values())
     return ids
 
 
@@ -325,8 +324,8 @@ def run_engine(args, reqs: list[Request], llm) -> dict:
     llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True))
     before = llm.stats()
 
-    counter = RunnerCounter(engine)
     timers = install_profile(engine) if args.profile else None
+    counter = RunnerCounter(engine)  # outermost, so the profile does not time the counting
     params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
     log(f"engine: {len(reqs)} requests ...")
     t0 = time.perf_counter()
@@ -510,39 +509,39 @@ def _fmt(v, spec: str, unit: str = "") -> str:
 def format_table(r: dict) -> str:
     c = r["config"]
     rows = [
-        ("workload", f"{r['num_requests']} requests, prompt {c['prompt_range'][0]}-"
+        ("workload", (f"{r['num_requests']} requests, prompt {c['prompt_range'][0]}-"
                      f"{c['prompt_range'][1]}, output {c['output_range'][0]}-"
-                     f"{c['output_range'][1]} (seed {c['seed']})"),
+                     f"{c['output_range'][1]} (seed {c['seed']})")),
         ("tokens", f"{r['prompt_tokens']} prompt + {r['generated_tokens']} generated"),
-        ("device", f"{c['device']} {c['dtype']}, {c['torch_threads']} threads, "
-                   f"matmul peak {r['matmul_gflops']:.1f} GFLOP/s"),
+        ("device", (f"{c['device']} {c['dtype']}, {c['torch_threads']} threads, "
+                   f"matmul peak {r['matmul_gflops']:.1f} GFLOP/s")),
         ("", ""),
         ("", f"{'engine':>12} {'HF static':>12}"),
         ("seconds", f"{_fmt(r['engine_seconds'], '12.2f')} {_fmt(r['hf_seconds'], '12.2f')}"),
-        ("generated tok/s", f"{_fmt(r['engine_tokens_per_s'], '12.1f')} "
-                            f"{_fmt(r['hf_tokens_per_s'], '12.1f')}"),
-        ("MFU", f"{_fmt(r['engine_mfu'] * 100, '11.1f', '%')} "
-                f"{_fmt(r['hf_mfu'] and r['hf_mfu'] * 100, '11.1f', '%')}"),
+        ("generated tok/s", (f"{_fmt(r['engine_tokens_per_s'], '12.1f')} "
+                            f"{_fmt(r['hf_tokens_per_s'], '12.1f')}")),
+        ("MFU", (f"{_fmt(r['engine_mfu'] * 100, '11.1f', '%')} "
+                f"{_fmt(r['hf_mfu'] and r['hf_mfu'] * 100, '11.1f', '%')}")),
         ("speedup", f"{_fmt(r['speedup'], '11.2f', 'x')}"),
         ("", ""),
         ("engine steps", f"{r['num_steps']} (max {r['max_batch_seqs']} seqs in a step)"),
-        ("preemptions", f"{r['num_preemptions']} ({r['recomputed_tokens']} tokens recomputed, "
-                        f"HFU {r['engine_hfu'] * 100:.1f}%)"),
-        ("KV pool", f"{r['num_kv_blocks']} blocks of {c['block_size']}, peak use "
-                    f"{r['peak_kv_pool_usage'] * 100:.0f}%"),
+        ("preemptions", (f"{r['num_preemptions']} ({r['recomputed_tokens']} tokens recomputed, "
+                        f"HFU {r['engine_hfu'] * 100:.1f}%)")),
+        ("KV pool", (f"{r['num_kv_blocks']} blocks of {c['block_size']}, peak use "
+                    f"{r['peak_kv_pool_usage'] * 100:.0f}%")),
         ("KV waste paged", f"{r['kv_waste_paged'] * 100:.1f}% of allocated slots never written"),
-        ("KV waste reserved", f"{r['kv_waste_reserved'] * 100:.1f}% "
-                              f"(reserving {r['kv_reserve_len']} per request)"),
+        ("KV waste reserved", (f"{r['kv_waste_reserved'] * 100:.1f}% "
+                              f"(reserving {r['kv_reserve_len']} per request)")),
         ("KV waste HF batch", f"{r['kv_waste_static_batch'] * 100:.1f}% (padded static batches)"),
     ]
     if r["hf_first_token_match"] is not None:
-        rows.append(("first-token match", f"{r['hf_first_token_match'] * 100:.0f}% of requests "
-                                          "(engine vs HF greedy)"))
+        rows.append(("first-token match", (f"{r['hf_first_token_match'] * 100:.0f}% of requests "
+                                          "(engine vs HF greedy)")))
     if "profile" in r:
         p = r["profile"]
         rows.append(("", ""))
-        rows.append(("profile", f"{p['num_steps']} steps, {p['step_seconds']:.2f} s in step(), "
-                                f"{p['outside_step_seconds']:.2f} s outside"))
+        rows.append(("profile", (f"{p['num_steps']} steps, {p['step_seconds']:.2f} s in step(), "
+                                f"{p['outside_step_seconds']:.2f} s outside")))
         for name, share in p["share_of_step"].items():
             rows.append((f"  {name}", f"{share * 100:5.1f}%  ({p['seconds'][name]:.2f} s)"))
     width = max(len(k) for k, _ in rows)

@@ -12,9 +12,10 @@ Prompt = str | list[int]
 
 
 class LLM:
-    def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
+    def __init__(self, config: EngineConfig | None = None, loaded=None, **overrides) -> None:
+        """`loaded` (an engine.loader.LoadedModel) reuses weights already in memory."""
         config = config or EngineConfig(**overrides)
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine(config, loaded)
 
     @property
     def tokenizer(self):
