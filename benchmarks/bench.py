@@ -226,6 +226,38 @@ def kv_waste(reqs: list[Request], block_size: int, reserve_len: int,
     }
 
 
+class CpuMonitor:
+    """Share of the machine's CPU time other processes used during a timed phase (Linux).
+
+    The benchmark is only meaningful on an otherwise idle machine: on a 2-core box one
+    busy neighbour halves the throughput of both measured systems, unevenly.
+    """
+
+    def __init__(self) -> None:
+        self.start = self._read()
+
+    @staticmethod
+    def _read():
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(x) for x in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        hz = os.sysconf("SC_CLK_TCK")
+        busy = sum(fields[:3]) + sum(fields[5:8])  # user nice system . . irq softirq steal
+        t = os.times()
+        return busy / hz, t.user + t.system, time.perf_counter()
+
+    def other_load(self) -> float | None:
+        end = self._read()
+        if self.start is None or end is None:
+            return None
+        busy = end[0] - self.start[0]
+        own = end[1] - self.start[1]
+        wall = end[2] - self.start[2]
+        return max(0.0, (busy - own) / (wall * (os.cpu_count() or 1))) if wall > 0 else None
+
+
 # -- engine --------------------------------------------------------------------------------
 class Timer:
     def __init__(self) -> None:
@@ -328,6 +360,7 @@ def run_engine(args, reqs: list[Request], llm) -> dict:
     counter = RunnerCounter(engine)  # outermost, so the profile does not time the counting
     params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
     log(f"engine: {len(reqs)} requests ...")
+    monitor = CpuMonitor()
     t0 = time.perf_counter()
     outs = llm.generate([r.prompt for r in reqs], params)
     _sync(engine.device)
@@ -351,6 +384,7 @@ def run_engine(args, reqs: list[Request], llm) -> dict:
         "peak_used_blocks": counter.peak_used_blocks,
         "max_batch_seqs": counter.max_batch_seqs,
         "stats": after,
+        "other_cpu_load": monitor.other_load(),
     }
     if timers is not None:
         result["profile"] = profile_report(timers, seconds)
@@ -396,6 +430,7 @@ def run_hf(args, reqs: list[Request], model, pad_id: int, device: str) -> dict:
         outputs: list[list[int]] = []
         bs = args.batch_size
         log(f"hf: {len(reqs)} requests in static batches of {bs} ...")
+        monitor = CpuMonitor()
         t0 = time.perf_counter()
         for i in range(0, len(reqs), bs):
             outputs += hf_generate_batch(model, reqs[i:i + bs], pad_id, device)
@@ -404,7 +439,7 @@ def run_hf(args, reqs: list[Request], model, pad_id: int, device: str) -> dict:
     short = [i for i, (o, r) in enumerate(zip(outputs, reqs)) if len(o) != r.max_tokens]
     if short:
         raise RuntimeError(f"HF stopped early on requests {short[:5]}")
-    return {"seconds": seconds, "outputs": outputs}
+    return {"seconds": seconds, "outputs": outputs, "other_cpu_load": monitor.other_load()}
 
 
 # -- report --------------------------------------------------------------------------------
@@ -434,12 +469,23 @@ def run_bench(args) -> dict:
     if too_long:
         raise ValueError(f"requests of {max(too_long)} tokens exceed max_model_len={max_len}")
 
-    log("measuring matmul peak ...")
     mm_shapes = [(1024, 1024, 1024), (256, shape.hidden_size, engine.model.layers[0].down.shape[1])]
-    mm = measure_matmul_flops(engine.device, engine.dtype, mm_shapes)
-    peak = max(mm.values())
+    log("measuring matmul peak ...")
+    mm_start = measure_matmul_flops(engine.device, engine.dtype, mm_shapes)
 
     eng = run_engine(args, reqs, llm)
+    hf = None
+    if not args.skip_hf:
+        log("loading the Hugging Face reference ...")
+        hf_model = load_hf(engine.loaded.checkpoint, engine.device, engine.dtype)
+        pad_id = tok.eos_token_id if tok.eos_token_id is not None else 0
+        hf = run_hf(args, reqs, hf_model, pad_id, engine.device)
+        del hf_model
+
+    log("measuring matmul peak again ...")
+    mm_end = measure_matmul_flops(engine.device, engine.dtype, mm_shapes)
+    mm = {k: max(mm_start[k], mm_end[k]) for k in mm_start}
+    peak = max(mm.values())
     useful_flops = workload_flops(engine.model, reqs)
     stats = eng["stats"]
     reserve_len = args.reserve_len or stats["max_model_len"]
@@ -450,16 +496,18 @@ def run_bench(args) -> dict:
         "engine_seconds": eng["seconds"],
         "engine_tokens_per_s": gen_tokens / eng["seconds"],
         "engine_total_tokens_per_s": (prompt_tokens + gen_tokens) / eng["seconds"],
-        "hf_seconds": None,
-        "hf_tokens_per_s": None,
-        "speedup": None,
+        "hf_seconds": hf and hf["seconds"],
+        "hf_tokens_per_s": hf and gen_tokens / hf["seconds"],
+        "speedup": hf and hf["seconds"] / eng["seconds"],
         "matmul_gflops": peak / 1e9,
         "matmul_gflops_by_shape": {k: v / 1e9 for k, v in mm.items()},
+        "matmul_gflops_start": max(mm_start.values()) / 1e9,
+        "matmul_gflops_end": max(mm_end.values()) / 1e9,
         "model_gflops_useful": useful_flops / 1e9,
         "engine_achieved_gflops": useful_flops / eng["seconds"] / 1e9,
         "engine_mfu": useful_flops / eng["seconds"] / peak,
         "engine_hfu": eng["flops_executed"] / eng["seconds"] / peak,
-        "hf_mfu": None,
+        "hf_mfu": hf and useful_flops / hf["seconds"] / peak,
         "num_preemptions": eng["num_preemptions"],
         "recomputed_tokens": eng["fed_tokens"] - sum(r.total - 1 for r in reqs),
         "num_steps": eng["num_steps"],
@@ -469,7 +517,10 @@ def run_bench(args) -> dict:
         "peak_kv_pool_usage": eng["peak_used_blocks"] / stats["num_kv_blocks"],
         "kv_reserve_len": reserve_len,
         **kv_waste(reqs, stats["block_size"], reserve_len, args.batch_size),
-        "hf_first_token_match": None,
+        "hf_first_token_match": hf and sum(
+            a[:1] == b[:1] for a, b in zip(eng["outputs"], hf["outputs"])) / len(reqs),
+        "other_cpu_load_engine": eng["other_cpu_load"],
+        "other_cpu_load_hf": hf and hf["other_cpu_load"],
         "config": {
             **config.to_dict(),
             "device": engine.device,
@@ -481,6 +532,7 @@ def run_bench(args) -> dict:
             "prompt_range": [args.min_prompt, args.max_prompt],
             "output_range": [args.min_output, args.max_output],
             "hf_batch_size": args.batch_size,
+            "skip_hf": args.skip_hf,
             "quick": args.quick,
             "torch_threads": torch.get_num_threads(),
             "torch_version": torch.__version__,
@@ -488,17 +540,11 @@ def run_bench(args) -> dict:
     }
     if "profile" in eng:
         report["profile"] = eng["profile"]
-    if not args.skip_hf:
-        log("loading the Hugging Face reference ...")
-        hf_model = load_hf(engine.loaded.checkpoint, engine.device, engine.dtype)
-        pad_id = tok.eos_token_id if tok.eos_token_id is not None else 0
-        hf = run_hf(args, reqs, hf_model, pad_id, engine.device)
-        report["hf_seconds"] = hf["seconds"]
-        report["hf_tokens_per_s"] = gen_tokens / hf["seconds"]
-        report["speedup"] = hf["seconds"] / eng["seconds"]
-        report["hf_mfu"] = useful_flops / hf["seconds"] / peak
-        report["hf_first_token_match"] = sum(
-            a[:1] == b[:1] for a, b in zip(eng["outputs"], hf["outputs"])) / len(reqs)
+    busy = [x for x in (report["other_cpu_load_engine"], report["other_cpu_load_hf"])
+            if x is not None]
+    if busy and max(busy) > 0.1:
+        log(f"warning: other processes used {max(busy) * 100:.0f}% of the CPU during a timed "
+            "phase; the numbers are not reliable")
     return report
 
 
@@ -534,6 +580,10 @@ def format_table(r: dict) -> str:
                               f"(reserving {r['kv_reserve_len']} per request)")),
         ("KV waste HF batch", f"{r['kv_waste_static_batch'] * 100:.1f}% (padded static batches)"),
     ]
+    loads = [r["other_cpu_load_engine"], r["other_cpu_load_hf"]]
+    if any(x is not None for x in loads):
+        rows.append(("other CPU load", " ".join(_fmt(x and x * 100, "11.0f", "%") for x in loads)
+                     + "  (other processes; should be ~0%)"))
     if r["hf_first_token_match"] is not None:
         rows.append(("first-token match", (f"{r['hf_first_token_match'] * 100:.0f}% of requests "
                                           "(engine vs HF greedy)")))

@@ -1,9 +1,11 @@
 """BlockManager: allocation round trips, the prefix cache, exact capacity checks, LRU eviction.
 
-The property tests drive the manager the way the engine does (allocate a chunk, compute it,
-commit the blocks that became full, append slots for the next chunk, free) and keep a shadow
-of what each KV slot holds, so sharing a block that holds the wrong prefix, or reusing a block
-that someone still reads, shows up as a wrong value read back.
+The property tests drive the manager through allocate / compute a chunk / commit the blocks it
+filled / append slots for the next chunk / free, and keep a shadow of what each KV slot holds,
+so sharing a block that holds the wrong prefix, or reusing a block that someone still reads,
+shows up as a wrong value read back. (The scheduler commits a chunk's blocks when it schedules
+it, see test_commit_at_schedule_time_lets_a_same_step_arrival_share; here the chunk is computed
+right after it is reserved, so committing after computing is equivalent.)
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ def make_seq(tokens: list[int], max_tokens: int = 16) -> Sequence:
 
 
 def compute(bm: BlockManager, seq: Sequence, num_tokens: int) -> None:
-    """What the engine does after a step that ran num_tokens of seq (slots already allocated)."""
+    """Mark num_tokens of seq computed (slots already allocated) and commit the full blocks."""
     before = seq.num_computed_tokens
     seq.num_computed_tokens += num_tokens
     assert len(seq.block_table) * bm.block_size >= seq.num_computed_tokens
@@ -183,7 +185,7 @@ def test_second_identical_prompt_hits_all_full_blocks_but_the_last_token(block_s
     hits = bm.match_prefix(first)
     assert hits == []
     bm.allocate(first, [], prompt_len)
-    # Not computed yet: nothing to share.
+    # Not committed yet: nothing to share.
     assert bm.match_prefix(make_seq(prompt)) == []
     compute(bm, first, prompt_len)
     second = make_seq(prompt)
@@ -199,6 +201,32 @@ def test_second_identical_prompt_hits_all_full_blocks_but_the_last_token(block_s
     check_invariants(bm, [first, second])
     assert bm.prefix_hits == len(hits) * block_size
     assert bm.prefix_queries == 2 * prompt_len
+
+
+def test_commit_at_schedule_time_lets_a_same_step_arrival_share():
+    bm = BlockManager(8, 2, enable_prefix_caching=True)
+    a = make_seq([1, 2, 3, 4, 5, 6, 7])
+    bm.allocate(a, [], 5)  # first chunk: tokens 0..4, blocks 0 and 1 full once it runs
+    bm.commit_full_blocks(a, 0, 5)
+    assert a.num_computed_tokens == 0
+    b = make_seq([1, 2, 3, 4, 5, 6, 7])
+    assert bm.match_prefix(b) == a.block_table[:2]  # block 2 is not full after the chunk
+    hits = bm.match_prefix(b)
+    bm.allocate(b, hits, 3)
+    assert b.num_computed_tokens == 4 and [bm.blocks[x].ref_count for x in hits] == [2, 2]
+    a.num_computed_tokens = 5
+    bm.append_slots(a, 2)
+    bm.commit_full_blocks(a, 5, 7)  # the rest of the prompt: block 2 becomes full
+    bm.commit_full_blocks(b, 4, 7)  # b computed the same block 2 privately
+    a.num_computed_tokens = b.num_computed_tokens = 7
+    assert bm.hash_to_block[bm.block_hash(a, 2)] == a.block_table[2]
+    assert bm.blocks[b.block_table[2]].hash is None
+    check_invariants(bm, [a, b])
+    # Committing again (say, after the step) registers nothing new.
+    snapshot = dict(bm.hash_to_block)
+    bm.commit_full_blocks(a, 0)
+    bm.commit_full_blocks(b, 0)
+    assert bm.hash_to_block == snapshot
 
 
 def test_hits_after_owner_freed_revive_cached_blocks():
@@ -372,20 +400,20 @@ def test_can_append_is_exact():
 # -- property tests --------------------------------------------------------------------------
 
 bm_configs = st.tuples(
-    st.integers(1, 12),  # num_blocks
+    st.integers(1, 16),  # num_blocks
     st.sampled_from([1, 2, 4, 16]),  # block_size
     st.booleans(),  # prefix caching
     st.integers(1, 3),  # alphabet size - 1
 )
 
-op = st.one_of(
-    st.tuples(st.just("new"), st.integers(0, 3), st.integers(0, 40), st.lists(st.integers(0, 3),
-                                                                           max_size=6),
-              st.integers(1, 64)),
-    st.tuples(st.just("compute"), st.integers(0, 50), st.integers(1, 64)),
-    st.tuples(st.just("free"), st.integers(0, 50)),
-    st.tuples(st.just("reset"),),
-)
+chunks = st.sampled_from([1, 2, 3, 5, 8, 64])
+new_op = st.tuples(st.just("new"), st.sampled_from([40, 40, 8, 5, 3]) | st.integers(0, 40),
+                   st.lists(st.integers(0, 3), max_size=2), chunks)
+compute_op = st.tuples(st.just("compute"), st.integers(0, 50), chunks)
+free_op = st.tuples(st.just("free"), st.integers(0, 50))
+# A new request takes a prefix of the shared base (so prefixes repeat) plus a short tail.
+_op_kinds = [new_op] * 4 + [compute_op] * 4 + [free_op] * 3 + [st.tuples(st.just("reset"))]
+op = st.integers(0, len(_op_kinds) - 1).flatmap(lambda k: _op_kinds[k])
 
 
 def _must_run_out(fn, *objs) -> None:
@@ -397,7 +425,7 @@ def _must_run_out(fn, *objs) -> None:
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(bm_configs, st.lists(st.integers(0, 3), min_size=1, max_size=40),
-       st.lists(op, max_size=40))
+       st.lists(op, min_size=10, max_size=60))
 def test_block_manager_random_operations(config, base, ops):
     num_blocks, bs, caching, alpha = config
     bm = BlockManager(num_blocks, bs, caching)
@@ -407,7 +435,7 @@ def test_block_manager_random_operations(config, base, ops):
     cap = num_blocks * bs
     for o in ops:
         if o[0] == "new":
-            _, _, keep, tail, chunk = o
+            _, keep, tail, chunk = o
             prompt = (base[:keep] + [t % (alpha + 1) for t in tail])[:cap - 1] or [0]
             seq = make_seq(prompt)
             hits = bm.match_prefix(seq)

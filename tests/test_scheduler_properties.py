@@ -1,8 +1,10 @@
 """Scheduler + BlockManager under random interleavings of add / step / abort, without a model.
 
-Each step does the engine's bookkeeping (mark the chunk computed, commit full blocks, sample a
-token when the chunk reached the end, finish at max_tokens) and writes a shadow KV pool, so a
-block shared with the wrong prefix or reused while still read shows up as a wrong value.
+Each step does what LLMEngine.step does around the model: the scheduler registers the blocks a
+chunk fills when it schedules it; the "model" writes a shadow KV pool (each slot holds a hash of
+the prefix ending there); then the chunk is marked computed, a token is sampled when the chunk
+reached the end, and the request finishes at max_tokens. A block shared with the wrong prefix, or
+reused while still read, shows up as a wrong value read back.
 """
 from __future__ import annotations
 
@@ -155,22 +157,40 @@ class Sim:
         order = [self.admitted_at[id(s)] for s in sched.running]
         assert order == sorted(order), "running is not in admission order"
 
-        # -- the engine's bookkeeping --------------------------------------------------------
+        # -- the step: the model writes every chunk's K/V, then the engine's bookkeeping ----
+        # Blocks are registered when scheduled, so a request admitted in this step may hit a
+        # block whose K/V is written in this same step; no one else may share a written block.
+        admitted = {id(s): s for s in waiting_before if s in sched.running}
         for item in batch:
             s = item.seq
             before = s.num_computed_tokens
             keys = prefix_keys(s, before + item.num_tokens)
             for p in range(before, before + item.num_tokens):
-                block = bm.blocks[s.block_table[p // bm.block_size]]
-                assert block.ref_count == 1, f"write into shared block {block.block_id}"
-                assert block.hash is None, f"write into registered block {block.block_id}"
-                self.slots[(block.block_id, p % bm.block_size)] = keys[p]
-            s.num_computed_tokens += item.num_tokens
-            bm.commit_full_blocks(s, before)
+                block_id = s.block_table[p // bm.block_size]
+                for other in sched.running:
+                    if other is s or block_id not in other.block_table:
+                        continue
+                    hit_blocks = other.block_table[:other.num_cached_tokens // bm.block_size]
+                    assert id(other) in admitted and block_id in hit_blocks, \
+                        f"{s.request_id} writes block {block_id} that {other.request_id} holds"
+                self.slots[(block_id, p % bm.block_size)] = keys[p]
+        for item in batch:
+            item.seq.num_computed_tokens += item.num_tokens
+        for item in batch:  # everything a scheduled request attends to is its own prefix
+            self.check_reads(item.seq)
+        for item in batch:
+            s = item.seq
             if s.num_computed_tokens == s.num_tokens:
                 s.token_ids.append((s.num_tokens * 7 + len(s.request_id)) % self.alphabet)
                 if s.num_output_tokens >= s.params.max_tokens:
                     sched.finish(s, "length")
+
+    def check_reads(self, s: Sequence) -> None:
+        bs = self.bm.block_size
+        for p, key in enumerate(prefix_keys(s, s.num_computed_tokens)):
+            b = s.block_table[p // bs]
+            assert self.slots.get((b, p % bs)) == key, \
+                f"{s.request_id} reads a wrong KV at position {p} (block {b})"
 
     def check(self) -> None:
         sched, bm = self.sched, self.bm
@@ -187,10 +207,7 @@ class Sim:
         assert len(sched.running) <= sched.max_num_seqs
         check_pool(bm, list(sched.running))
         for s in sched.running:  # everything computed reads back its own prefix
-            for p, key in enumerate(prefix_keys(s, s.num_computed_tokens)):
-                b = s.block_table[p // bm.block_size]
-                assert self.slots.get((b, p % bm.block_size)) == key, \
-                    f"{s.request_id} reads a wrong KV at position {p} (block {b})"
+            self.check_reads(s)
 
     def drain(self, limit: int = MAX_DRAIN_STEPS) -> int:
         steps = 0
