@@ -48,22 +48,17 @@ def _decode_attention(query, k_cache, v_cache, meta, scale, out) -> None:
     rows = meta.decode_rows
     starts = torch.tensor(meta.query_start_loc[:-1], dtype=torch.long)[rows]
     lens = meta.decode_context_lens
-    max_len = int(lens.max())
     block_size, kv_heads, head_dim = k_cache.shape[1:]
-    max_blocks = -(-max_len // block_size)
+    max_blocks = -(-int(lens.max()) // block_size)
     tables = meta.block_tables[rows, :max_blocks]
-    b = tables.shape[0]
-    k = k_cache[tables].reshape(b, max_blocks * block_size, kv_heads, head_dim)
-    v = v_cache[tables].reshape(b, max_blocks * block_size, kv_heads, head_dim)
-    heads = query.shape[1]
-    group = heads // kv_heads
-    q = query[starts].view(b, kv_heads, group, head_dim).float()
-    scores = torch.einsum("bkgd,blkd->bkgl", q, k.float()) * scale
-    pad = torch.arange(max_blocks * block_size) >= lens[:, None]
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    o = torch.einsum("bkgl,blkd->bkgd", probs, v.float())
-    out[starts] = o.reshape(b, heads, head_dim).to(out.dtype)
+    b, span = tables.shape[0], max_blocks * block_size
+    k = k_cache[tables].view(b, span, kv_heads, head_dim).transpose(1, 2)
+    v = v_cache[tables].view(b, span, kv_heads, head_dim).transpose(1, 2)
+    q = query[starts].unsqueeze(2)                                   # [b, heads, 1, d]
+    mask = (torch.arange(span) < lens[:, None])[:, None, None, :]
+    o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
+                                       scale=scale, enable_gqa=True)
+    out[starts] = o.squeeze(2)
 
 
 def _prefill_attention(query, k_cache, v_cache, meta, i, scale, out) -> None:
@@ -71,14 +66,13 @@ def _prefill_attention(query, k_cache, v_cache, meta, i, scale, out) -> None:
     q_len, ctx = end - start, meta.context_lens[i]
     k = gather_context(k_cache, meta.block_tables[i], ctx)
     v = gather_context(v_cache, meta.block_tables[i], ctx)
-    group = query.shape[1] // k.shape[1]
     q = query[start:end].transpose(0, 1)                      # [heads, q_len, d]
-    k = k.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
-    v = v.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
+    k = k.transpose(0, 1).to(q.dtype)
+    v = v.transpose(0, 1).to(q.dtype)
     if q_len == ctx:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         q_pos = torch.arange(ctx - q_len, ctx)[:, None]
         mask = torch.arange(ctx)[None, :] <= q_pos
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     out[start:end] = o.transpose(0, 1)
