@@ -397,6 +397,7 @@ def load_hf(checkpoint, device: str, dtype):
     from transformers import AutoModelForCausalLM
 
     transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
     return model.to(device).eval()
 
@@ -549,7 +550,11 @@ def run_bench(args) -> dict:
 
 
 def _fmt(v, spec: str, unit: str = "") -> str:
-    return "-" if v is None else f"{v:{spec}}{unit}"
+    """v formatted with spec, or a dash as wide when v is None."""
+    if v is None:
+        width = int(spec.split(".")[0] or 0) + len(unit)
+        return "-".rjust(width)
+    return f"{v:{spec}}{unit}"
 
 
 def format_table(r: dict) -> str:
@@ -599,8 +604,10 @@ def format_table(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--"]:  # `kvscope bench -- --quick` forwards the separator too
+        argv = argv[1:]
+    args = build_parser().parse_args(argv)
     try:
         report = run_bench(args)
     except (ValueError, FileNotFoundError) as exc:

@@ -102,17 +102,16 @@ def chat_prompt(tokenizer, text: str) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def cmd_bench(args) -> int:
-    from benchmarks.bench import main as bench_main
-
-    return bench_main(args.bench_args)
-
-
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        # bench owns its options (benchmarks/bench.py); argparse REMAINDER would not pass
+        # options that start with "--" through.
+        from benchmarks.bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
-    if args.command == "generate":
-        return cmd_generate(args)
-    return cmd_bench(args)
+    return cmd_generate(args)
 
 
 if __name__ == "__main__":
