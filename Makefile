@@ -19,6 +19,7 @@ run: setup
 
 test: setup
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
 bench: setup

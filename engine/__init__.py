@@ -4,5 +4,5 @@ from engine.llm import LLM
 from engine.outputs import RequestOutput, TokenDelta
 from engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "TokenDelta"]
+__all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams", "TokenDelta"]
 __version__ = "0.1.0"

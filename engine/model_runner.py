@@ -41,7 +41,7 @@ class ModelRunner:
             if end == seq.num_tokens:
                 last_rows.append(starts[-1] - 1)
         meta = self._metadata(batch, starts, ctx_lens, slots)
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)
         return as_tensor(ids), as_tensor(positions), meta, last_rows
 
     def _metadata(self, batch, starts, ctx_lens, slots) -> AttentionMetadata:

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import pytest
+from tiny_models import save_tiny_model
 
 from engine import LLM, EngineConfig, SamplingParams
-from tiny_models import save_tiny_model
 
 
 @pytest.fixture(scope="module")

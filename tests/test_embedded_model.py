@@ -14,8 +14,8 @@ QUESTIONS = [
     "Write a haiku about memory.",
     "List three prime numbers and explain why they are prime.",
     "Hi",
-    "Explain the difference between a stack and a queue to a five year old, "
-    "using an example from a kitchen.",
+    ("Explain the difference between a stack and a queue to a five year old, "
+     "using an example from a kitchen."),
 ]
 MAX_TOKENS = 32
 

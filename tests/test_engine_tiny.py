@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import save_tiny_model
 
 from engine import LLM, EngineConfig, SamplingParams
-from tiny_models import save_tiny_model
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
