@@ -6,7 +6,7 @@ import torch
 from engine.kv_cache import KVPool
 from engine.model import PagedLlama
 from engine.scheduler import ScheduledSeq
-from kernels.attention_ref import AttentionMetadata
+from kernels.attention_ref import AttentionMetadata, group_decode_rows
 
 
 class ModelRunner:
@@ -49,15 +49,12 @@ class ModelRunner:
         tables = torch.zeros((len(batch), width), dtype=torch.long)
         for i, item in enumerate(batch):
             tables[i, :len(item.seq.block_table)] = torch.tensor(item.seq.block_table)
-        decode = [i for i, item in enumerate(batch) if item.num_tokens == 1]
         prefill = [i for i, item in enumerate(batch) if item.num_tokens > 1]
-        decode_rows = torch.tensor(decode, dtype=torch.long) if decode else None
         return AttentionMetadata(
             query_start_loc=starts,
             context_lens=ctx_lens,
             block_tables=tables.to(self.device),
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            decode_rows=decode_rows,
-            decode_context_lens=torch.tensor([ctx_lens[i] for i in decode]) if decode else None,
+            decode_groups=group_decode_rows(starts, ctx_lens),
             prefill_seqs=prefill,
         )

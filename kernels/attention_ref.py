@@ -19,9 +19,25 @@ class AttentionMetadata:
     context_lens: list[int]           # [B] tokens in the cache after this step's write
     block_tables: torch.Tensor        # [B, max_blocks] int64, padded with 0
     slot_mapping: torch.Tensor        # [T] int64
-    decode_rows: torch.Tensor | None  # indices of sequences with exactly one query
-    decode_context_lens: torch.Tensor | None
+    # Single-query sequences in groups of similar length: (query rows, context lengths, batch indices).
+    decode_groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     prefill_seqs: list[int]           # indices of sequences with several queries
+
+
+def group_decode_rows(query_start_loc: list[int], context_lens: list[int],
+                      max_group: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Decode sequences sorted by length and cut into groups, so a short sequence is not
+    padded (and its gather copied) out to the longest context in the whole batch."""
+    decode = [i for i in range(len(context_lens))
+              if query_start_loc[i + 1] - query_start_loc[i] == 1]
+    decode.sort(key=lambda i: context_lens[i])
+    groups = []
+    for g in range(0, len(decode), max_group):
+        members = decode[g:g + max_group]
+        groups.append((torch.tensor([query_start_loc[i] for i in members], dtype=torch.long),
+                       torch.tensor([context_lens[i] for i in members], dtype=torch.long),
+                       torch.tensor(members, dtype=torch.long)))
+    return groups
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -36,21 +52,19 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """query: [T, heads, head_dim] -> [T, heads, head_dim]."""
     out = torch.empty_like(query)
-    if meta.decode_rows is not None:
-        _decode_attention(query, k_cache, v_cache, meta, scale, out)
+    for rows, lens, seqs in meta.decode_groups:
+        _decode_attention(query, k_cache, v_cache, meta.block_tables[seqs], rows, lens, scale,
+                          out)
     for i in meta.prefill_seqs:
         _prefill_attention(query, k_cache, v_cache, meta, i, scale, out)
     return out
 
 
-def _decode_attention(query, k_cache, v_cache, meta, scale, out) -> None:
-    """All single-query sequences at once: gather their blocks, mask past each length."""
-    rows = meta.decode_rows
-    starts = torch.tensor(meta.query_start_loc[:-1], dtype=torch.long)[rows]
-    lens = meta.decode_context_lens
+def _decode_attention(query, k_cache, v_cache, tables, starts, lens, scale, out) -> None:
+    """A group of single-query sequences at once: gather their blocks, mask past each length."""
     block_size, kv_heads, head_dim = k_cache.shape[1:]
     max_blocks = -(-int(lens.max()) // block_size)
-    tables = meta.block_tables[rows, :max_blocks]
+    tables = tables[:, :max_blocks]
     b, span = tables.shape[0], max_blocks * block_size
     k = k_cache[tables].view(b, span, kv_heads, head_dim).transpose(1, 2)
     v = v_cache[tables].view(b, span, kv_heads, head_dim).transpose(1, 2)

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from kernels.attention_ref import AttentionMetadata, paged_attention_ref
+from kernels.attention_ref import AttentionMetadata, group_decode_rows, paged_attention_ref
 from kernels.kv_write_ref import write_kv_ref
 
 
@@ -29,12 +29,10 @@ def build_batch(q_lens, ctx_lens, block_size, heads, kv_heads, head_dim, num_blo
     for n in q_lens:
         starts.append(starts[-1] + n)
     query = torch.randn(starts[-1], heads, head_dim, generator=g)
-    decode = [i for i, n in enumerate(q_lens) if n == 1]
     meta = AttentionMetadata(
         query_start_loc=starts, context_lens=list(ctx_lens), block_tables=bt,
         slot_mapping=torch.zeros(0, dtype=torch.long),
-        decode_rows=torch.tensor(decode) if decode else None,
-        decode_context_lens=torch.tensor([ctx_lens[i] for i in decode]) if decode else None,
+        decode_groups=group_decode_rows(starts, list(ctx_lens), max_group=2),
         prefill_seqs=[i for i, n in enumerate(q_lens) if n > 1])
     return query, k_cache, v_cache, meta, tables
 
