@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import replace
 
 import torch
 
@@ -23,14 +24,17 @@ from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence
 
 
+RECONFIGURABLE = frozenset({"block_size", "kv_dtype", "kv_cache_bytes", "num_kv_blocks",
+                            "max_num_seqs", "max_num_batched_tokens",
+                            "enable_prefix_caching"})
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         config.validate()
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.kv_dtype = resolve_dtype(config.kv_dtype if config.kv_dtype != "auto"
-                                      else config.dtype, self.device)
         self.loaded = loaded or load_model(config.model, self.dtype)
         self.tokenizer = self.loaded.tokenizer
         hf = self.loaded.hf_config
@@ -46,8 +50,14 @@ class LLMEngine:
         self._build_pool()
 
     # -- pool ------------------------------------------------------------------------------
+    def _kv_torch_dtype(self, config: EngineConfig):
+        name = config.kv_dtype if config.kv_dtype != "auto" else config.dtype
+        return resolve_dtype(name, self.device)
+
     def _build_pool(self) -> None:
         cfg, shape = self.config, self.model.shape
+        self.kv_dtype = self._kv_torch_dtype(cfg)
+        self.pool = None  # let the old pool go before the new one is allocated
         per_token = kv_bytes_per_token(shape, self.kv_dtype)
         num_blocks = cfg.num_kv_blocks or num_blocks_for_budget(
             cfg.kv_cache_bytes, cfg.block_size, per_token)
@@ -57,9 +67,49 @@ class LLMEngine:
                              f"{cfg.block_size * per_token} bytes")
         self.pool = KVPool.allocate(shape, num_blocks, cfg.block_size, self.kv_dtype, self.device)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        old = getattr(self, "scheduler", None)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens)
+        if old is not None:
+            self.scheduler.num_preemptions = old.num_preemptions
         self.runner = ModelRunner(self.model, self.pool)
+
+    # -- reconfigure -----------------------------------------------------------------------
+    def reconfigure(self, **changes) -> EngineConfig:
+        """Rebuild the KV pool under new settings while requests are in flight.
+
+        Running requests are preempted (recompute) onto the new pool, in their order, so no
+        request is lost and their streams simply continue. An invalid or impossible setting
+        raises ValueError and the old configuration stays in force.
+        """
+        unknown = set(changes) - RECONFIGURABLE
+        if unknown:
+            raise ValueError(f"cannot reconfigure {sorted(unknown)} at run time: "
+                             f"allowed are {sorted(RECONFIGURABLE)}")
+        new = replace(self.config, **changes)  # validates
+        live = list(self.scheduler.running) + list(self.scheduler.waiting)
+        self._check_pool_holds(new, live)
+        old = self.config
+        self.config = new
+        try:
+            self._build_pool()
+        except Exception:
+            self.config = old
+            self._build_pool()
+            raise
+        for seq in live:
+            seq.reset_for_recompute()
+            self.scheduler.add(seq)
+        return new
+
+    def _check_pool_holds(self, config: EngineConfig, live: list[Sequence]) -> None:
+        per_token = kv_bytes_per_token(self.model.shape, self._kv_torch_dtype(config))
+        blocks = config.num_kv_blocks or num_blocks_for_budget(
+            config.kv_cache_bytes, config.block_size, per_token)
+        longest = max((s.num_tokens for s in live), default=0)
+        if blocks * config.block_size < max(longest + 1, config.block_size):
+            raise ValueError(f"the new KV pool ({blocks} blocks of {config.block_size}) cannot "
+                             f"hold a running request of {longest} tokens; keeping the old one")
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

@@ -43,6 +43,14 @@ class Sequence:
         self.read_offset = len(self.prompt_token_ids)
         self.prefix_offset = max(0, self.read_offset - 5)
 
+    def reset_for_recompute(self) -> None:
+        """Forget everything cached (the pool it lived in is gone); keep the tokens."""
+        self.block_table = []
+        self.block_hashes = []
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+        self.num_preemptions += 1
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
