@@ -23,7 +23,6 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence
 
-
 RECONFIGURABLE = frozenset({"block_size", "kv_dtype", "kv_cache_bytes", "num_kv_blocks",
                             "max_num_seqs", "max_num_batched_tokens",
                             "enable_prefix_caching"})
