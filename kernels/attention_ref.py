@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.quant import dequantize
+
 
 @dataclass
 class AttentionMetadata:
@@ -40,53 +42,72 @@ def group_decode_rows(query_start_loc: list[int], context_lens: list[int],
     return groups
 
 
-def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+def gather_blocks(cache: torch.Tensor, tables: torch.Tensor,
+                  scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """cache[tables] in the compute dtype, dequantized when the pool holds int8/fp8 codes."""
+    if scales is None:
+        return cache[tables].to(dtype)
+    # Indexing has no fp8 kernel on CPU; the codes travel as raw bytes.
+    codes = cache.view(torch.uint8)[tables].view(cache.dtype)
+    return dequantize(codes, scales[tables]).to(dtype)
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int,
+                   scales: torch.Tensor | None = None,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[length, kv_heads, head_dim] of one sequence, read through its block table."""
     block_size = cache.shape[1]
     num_blocks = -(-length // block_size)
-    rows = cache[block_table[:num_blocks]]
+    rows = gather_blocks(cache, block_table[:num_blocks], scales, dtype)
     return rows.reshape(num_blocks * block_size, *cache.shape[2:])[:length]
 
 
 def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """query: [T, heads, head_dim] -> [T, heads, head_dim]."""
+                        meta: AttentionMetadata, scale: float,
+                        k_scale: torch.Tensor | None = None,
+                        v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """query: [T, heads, head_dim] -> [T, heads, head_dim]; scales for int8/fp8 pools."""
     out = torch.empty_like(query)
+    pool = (k_cache, v_cache, k_scale, v_scale)
     for rows, lens, seqs in meta.decode_groups:
-        _decode_attention(query, k_cache, v_cache, meta.block_tables[seqs], rows, lens, scale,
-                          out)
+        _decode_attention(query, pool, meta.block_tables[seqs], rows, lens, scale, out)
     for i in meta.prefill_seqs:
-        _prefill_attention(query, k_cache, v_cache, meta, i, scale, out)
+        _prefill_attention(query, pool, meta, i, scale, out)
     return out
 
 
-def _decode_attention(query, k_cache, v_cache, tables, starts, lens, scale, out) -> None:
+def _decode_attention(query, pool, tables, starts, lens, scale, out) -> None:
     """A group of single-query sequences at once: gather their blocks, mask past each length."""
+    k_cache, v_cache, k_scale, v_scale = pool
     block_size, kv_heads, head_dim = k_cache.shape[1:]
     max_blocks = -(-int(lens.max()) // block_size)
     tables = tables[:, :max_blocks]
     b, span = tables.shape[0], max_blocks * block_size
-    k = k_cache[tables].view(b, span, kv_heads, head_dim).transpose(1, 2)
-    v = v_cache[tables].view(b, span, kv_heads, head_dim).transpose(1, 2)
+    k = gather_blocks(k_cache, tables, k_scale, query.dtype)
+    v = gather_blocks(v_cache, tables, v_scale, query.dtype)
+    k = k.view(b, span, kv_heads, head_dim).transpose(1, 2)
+    v = v.view(b, span, kv_heads, head_dim).transpose(1, 2)
+    dev = query.device
+    starts, lens = starts.to(dev), lens.to(dev)
     q = query[starts].unsqueeze(2)                                   # [b, heads, 1, d]
-    mask = (torch.arange(span) < lens[:, None])[:, None, None, :]
-    o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
+    mask = (torch.arange(span, device=dev) < lens[:, None])[:, None, None, :]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                        scale=scale, enable_gqa=True)
     out[starts] = o.squeeze(2)
 
 
-def _prefill_attention(query, k_cache, v_cache, meta, i, scale, out) -> None:
+def _prefill_attention(query, pool, meta, i, scale, out) -> None:
+    k_cache, v_cache, k_scale, v_scale = pool
     start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
     q_len, ctx = end - start, meta.context_lens[i]
-    k = gather_context(k_cache, meta.block_tables[i], ctx)
-    v = gather_context(v_cache, meta.block_tables[i], ctx)
+    k = gather_context(k_cache, meta.block_tables[i], ctx, k_scale, query.dtype)
+    v = gather_context(v_cache, meta.block_tables[i], ctx, v_scale, query.dtype)
     q = query[start:end].transpose(0, 1)                      # [heads, q_len, d]
-    k = k.transpose(0, 1).to(q.dtype)
-    v = v.transpose(0, 1).to(q.dtype)
+    k, v = k.transpose(0, 1), v.transpose(0, 1)
     if q_len == ctx:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        q_pos = torch.arange(ctx - q_len, ctx)[:, None]
-        mask = torch.arange(ctx)[None, :] <= q_pos
+        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
+        mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     out[start:end] = o.transpose(0, 1)
