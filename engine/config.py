@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8")
 MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
@@ -90,3 +90,28 @@ def resolve_dtype(dtype: str, device: str):
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"
     return getattr(torch, dtype)
+
+
+def resolve_kv_dtype(kv_dtype: str, model_dtype: str, device: str):
+    """The pool's storage dtype; 'auto' follows the model. Refuses what the device can't do."""
+    import torch
+
+    if kv_dtype == "auto":
+        return resolve_dtype(model_dtype, device)
+    if kv_dtype == "int8":
+        return torch.int8
+    dtype = torch.float8_e4m3fn if kv_dtype == "fp8" else getattr(torch, kv_dtype)
+    if device == "cuda":
+        check_cuda_supports(kv_dtype, dtype)
+    return dtype
+
+
+def check_cuda_supports(name: str, dtype) -> None:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    need = {torch.float8_e4m3fn: (8, 9), torch.bfloat16: (8, 0)}.get(dtype)
+    if need and (major, minor) < need:
+        gpu = torch.cuda.get_device_name()
+        raise ValueError(f"EngineConfig.kv_dtype={name!r} is not supported on {gpu} "
+                         f"(compute capability {major}.{minor}; needs {need[0]}.{need[1]}+)")

@@ -6,12 +6,14 @@ from dataclasses import dataclass
 import torch
 
 from engine.model import ModelShape
+from kernels.quant import SCALE_DTYPE, is_quantized
 
 
 def kv_bytes_per_token(shape: ModelShape, dtype: torch.dtype) -> int:
-    """K and V, every layer: 2 x layers x kv_heads x head_dim x bytes."""
+    """K and V, every layer: 2 x layers x kv_heads x (head_dim x bytes [+ one float scale])."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * itemsize
+    scale = torch.empty(0, dtype=SCALE_DTYPE).element_size() if is_quantized(dtype) else 0
+    return 2 * shape.num_layers * shape.num_kv_heads * (shape.head_dim * itemsize + scale)
 
 
 def num_blocks_for_budget(budget_bytes: int, block_size: int, bytes_per_token: int) -> int:
@@ -21,6 +23,8 @@ def num_blocks_for_budget(budget_bytes: int, block_size: int, bytes_per_token: i
 @dataclass
 class KVPool:
     caches: list[tuple[torch.Tensor, torch.Tensor]]
+    # Per layer (k_scale, v_scale) of [num_blocks, block_size, kv_heads] for int8/fp8 pools.
+    scales: list[tuple[torch.Tensor, torch.Tensor]] | None
     num_blocks: int
     block_size: int
     dtype: torch.dtype
@@ -30,11 +34,25 @@ class KVPool:
     def allocate(cls, shape: ModelShape, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: str) -> KVPool:
         dims = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
-        caches = [(torch.zeros(dims, dtype=dtype, device=device),
-                   torch.zeros(dims, dtype=dtype, device=device))
-                  for _ in range(shape.num_layers)]
-        return cls(caches, num_blocks, block_size, dtype, kv_bytes_per_token(shape, dtype))
+        def zeros(size, dt):
+            return torch.zeros(size, dtype=dt, device=device)
+
+        caches = [(zeros(dims, dtype), zeros(dims, dtype)) for _ in range(shape.num_layers)]
+        scales = None
+        if is_quantized(dtype):
+            scales = [(zeros(dims[:3], SCALE_DTYPE), zeros(dims[:3], SCALE_DTYPE))
+                      for _ in range(shape.num_layers)]
+        return cls(caches, scales, num_blocks, block_size, dtype,
+                   kv_bytes_per_token(shape, dtype))
+
+    def layer(self, i: int) -> tuple:
+        """(k_cache, v_cache, k_scale, v_scale) of layer i; scales are None unless quantized."""
+        k, v = self.caches[i]
+        ks, vs = self.scales[i] if self.scales else (None, None)
+        return k, v, ks, vs
 
     @property
     def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.caches)
+        """Every byte of the pool, scale caches included."""
+        total = sum(k.nbytes + v.nbytes for k, v in self.caches)
+        return total + sum(k.nbytes + v.nbytes for k, v in self.scales or [])

@@ -11,7 +11,7 @@ from dataclasses import replace
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig, resolve_device, resolve_dtype
+from engine.config import EngineConfig, resolve_device, resolve_dtype, resolve_kv_dtype
 from engine.detokenizer import decode_delta, decode_rest
 from engine.kv_cache import KVPool, kv_bytes_per_token, num_blocks_for_budget
 from engine.loader import LoadedModel, load_model
@@ -22,6 +22,11 @@ from engine.sampler import make_generator, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence
+
+
+def kv_dtype_name(dtype: torch.dtype) -> str:
+    return "fp8" if dtype == torch.float8_e4m3fn else str(dtype).removeprefix("torch.")
+
 
 RECONFIGURABLE = frozenset({"block_size", "kv_dtype", "kv_cache_bytes", "num_kv_blocks",
                             "max_num_seqs", "max_num_batched_tokens",
@@ -50,8 +55,7 @@ class LLMEngine:
 
     # -- pool ------------------------------------------------------------------------------
     def _kv_torch_dtype(self, config: EngineConfig):
-        name = config.kv_dtype if config.kv_dtype != "auto" else config.dtype
-        return resolve_dtype(name, self.device)
+        return resolve_kv_dtype(config.kv_dtype, config.dtype, self.device)
 
     def _build_pool(self) -> None:
         cfg, shape = self.config, self.model.shape
@@ -254,7 +258,7 @@ class LLMEngine:
         return {
             "num_kv_blocks": bm.num_blocks,
             "block_size": bm.block_size,
-            "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
+            "kv_dtype": kv_dtype_name(self.kv_dtype),
             "kv_bytes_per_token": self.pool.bytes_per_token,
             "kv_cache_bytes": self.pool.nbytes,
             "num_free_blocks": bm.num_free_blocks,

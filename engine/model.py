@@ -10,8 +10,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_ref import AttentionMetadata, paged_attention_ref
-from kernels.kv_write_ref import write_kv_ref
+from kernels.attention_ref import AttentionMetadata
+from kernels.attention_ref import paged_attention_ref as paged_attention
+from kernels.kv_write_ref import write_kv_ref as write_kv
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
@@ -114,17 +115,17 @@ class PagedLlama:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                pool) -> torch.Tensor:
         """Hidden states [T, hidden] of the flattened batch, after the final norm."""
         h = F.embedding(input_ids, self.embed)
         cos, sin = self.cos[positions], self.sin[positions]
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for i, layer in enumerate(self.layers):
             h = h + self._attention(layer, rms_norm(h, layer.input_norm, self.shape.rms_norm_eps),
-                                    cos, sin, meta, k_cache, v_cache)
+                                    cos, sin, meta, pool.layer(i))
             h = h + self._mlp(layer, rms_norm(h, layer.post_norm, self.shape.rms_norm_eps))
         return rms_norm(h, self.final_norm, self.shape.rms_norm_eps)
 
-    def _attention(self, layer, x, cos, sin, meta, k_cache, v_cache) -> torch.Tensor:
+    def _attention(self, layer, x, cos, sin, meta, kv) -> torch.Tensor:
         s = self.shape
         qkv = F.linear(x, layer.qkv, layer.qkv_bias)
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
@@ -135,8 +136,9 @@ class PagedLlama:
         c, sn = cos[:, None, :], sin[:, None, :]
         q = q * c + rotate_half(q) * sn
         k = k * c + rotate_half(k) * sn
-        write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = paged_attention_ref(q, k_cache, v_cache, meta, self.scale)
+        k_cache, v_cache, k_scale, v_scale = kv
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        o = paged_attention(q, k_cache, v_cache, meta, self.scale, k_scale, v_scale)
         return F.linear(o.reshape(-1, q_size), layer.o_proj)
 
     @staticmethod

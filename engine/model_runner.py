@@ -18,7 +18,7 @@ class ModelRunner:
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         """Logits [S, vocab] for the sequences whose chunk reaches their last known token."""
         input_ids, positions, meta, last_rows = self.prepare(batch)
-        hidden = self.model.forward(input_ids, positions, meta, self.pool.caches)
+        hidden = self.model.forward(input_ids, positions, meta, self.pool)
         if not last_rows:
             return hidden.new_empty((0, self.model.shape.vocab_size))
         return self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
