@@ -61,10 +61,37 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="no chat template: complete the text")
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
     add_engine_options(gen)
-    bench = sub.add_parser("bench", help="engine vs Hugging Face generate on a mixed workload",
-                           add_help=False)
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    sub.add_parser("bench", help="engine vs Hugging Face generate on a mixed workload")
+    sub.add_parser("kv-accuracy", help="accuracy of each KV dtype against float32 KV")
+    sub.add_parser("serve", help="headless engine process behind ZeroMQ")
+    calc = sub.add_parser("kv-calc", help="KV bytes per token and in total for a model config")
+    calc.add_argument("--config", required=True,
+                      help="config.json, a checkpoint folder or an inline JSON object")
+    calc.add_argument("--dtype", default="bf16",
+                      help="float32|fp32|float16|fp16|bfloat16|bf16|int8|fp8")
+    calc.add_argument("--tokens", type=int, default=1_000_000)
+    calc.add_argument("--json", action="store_true")
     return parser
+
+
+def cmd_kv_calc(args) -> int:
+    from engine.kv_calc import human_bytes, kv_size, load_config
+
+    try:
+        size = kv_size(load_config(args.config), args.dtype)
+    except (ValueError, KeyError, OSError) as exc:
+        print(f"kvscope kv-calc: error: {exc}", file=sys.stderr)
+        return 2
+    total = size.total_bytes(args.tokens)
+    if args.json:
+        print(json.dumps({"bytes_per_token": size.bytes_per_token, "total_bytes": total,
+                          "tokens": args.tokens, "dtype": args.dtype, "layers": size.layers,
+                          "kv_heads": size.kv_heads, "head_dim": size.head_dim}))
+    else:
+        print(f"{size.layers} layers x {size.kv_heads} KV heads x {size.head_dim} dims, "
+              f"{args.dtype}: {human_bytes(size.bytes_per_token)} per token, "
+              f"{human_bytes(total)} for {args.tokens:,} tokens")
+    return 0
 
 
 def cmd_generate(args) -> int:
@@ -111,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
+    if args.command == "kv-calc":
+        return cmd_kv_calc(args)
     return cmd_generate(args)
 
 

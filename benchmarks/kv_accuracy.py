@@ -1,0 +1,118 @@
+"""What a KV dtype costs in accuracy, measured on the embedded model against float32 KV.
+
+For each KV dtype: greedy agreement (share of generated positions before the first token that
+differs from the float32-KV continuation), mean KL divergence of next-token distributions along
+the float32 continuation (teacher-forced), and perplexity on resources/perplexity_text.txt.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about memory.",
+    "Explain how a hash table works.",
+    "Give me three tips for learning to play the guitar.",
+    "Summarise the plot of Romeo and Juliet in two sentences.",
+    "Why is the sky blue?",
+    "Translate 'good morning, my friend' into French and Spanish.",
+    "List the planets of the solar system in order.",
+]
+TEXT = Path(__file__).resolve().parent.parent / "resources" / "perplexity_text.txt"
+DTYPES = ["float32", "bfloat16", "float16", "int8", "fp8"]
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="kvscope kv-accuracy", description=__doc__)
+    p.add_argument("--model", default="default")
+    p.add_argument("--dtypes", nargs="+", default=DTYPES, choices=DTYPES)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--text-tokens", type=int, default=512, help="perplexity text length cap")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--json", action="store_true", help="one JSON object keyed by dtype")
+    return p.parse_args(argv)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def measure(engine, prompts, reference, text_ids, max_tokens) -> dict:
+    from engine.scoring import mean_kl, perplexity, token_log_probs
+
+    greedy = _greedy(engine, prompts, max_tokens)
+    agree = [common_prefix(g, r) / max(len(r), 1) for g, r in zip(greedy, reference["tokens"])]
+    kls = [mean_kl(ref_lp, token_log_probs(engine, p + r)[len(p) - 1:])
+           for p, r, ref_lp in zip(prompts, reference["tokens"], reference["log_probs"])]
+    return {
+        "greedy_agreement": sum(agree) / len(agree),
+        "mean_kl": sum(kls) / len(kls),
+        "perplexity": perplexity(token_log_probs(engine, text_ids), text_ids),
+        "kv_bytes_per_token": engine.stats()["kv_bytes_per_token"],
+        "greedy": greedy,
+    }
+
+
+def _greedy(engine, prompts, max_tokens):
+    from engine import SamplingParams
+
+    ids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+           for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    return [engine.pop_output(i).token_ids for i in ids]
+
+
+def run(args) -> dict:
+    import torch
+
+    from engine import EngineConfig
+    from engine.llm import LLM
+    from engine.loader import load_model
+    from engine.scoring import token_log_probs
+
+    loaded = load_model(args.model, torch.float32)
+    llm = LLM(EngineConfig(model=args.model, block_size=args.block_size), loaded=loaded)
+    prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in PROMPTS]
+    text_ids = loaded.tokenizer.encode(TEXT.read_text())[:args.text_tokens]
+    engine = llm.engine
+    ref_tokens = _greedy(engine, prompts, args.max_tokens)
+    reference = {"tokens": ref_tokens,
+                 "log_probs": [token_log_probs(engine, p + r)[len(p) - 1:]
+                               for p, r in zip(prompts, ref_tokens)]}
+    results = {}
+    for dtype in args.dtypes:
+        print(f"[kv-accuracy] {dtype} ...", file=sys.stderr)
+        engine.reconfigure(kv_dtype=dtype)
+        result = measure(engine, prompts, reference, text_ids, args.max_tokens)
+        result.pop("greedy")
+        results[dtype] = result
+    return results
+
+
+def print_table(results: dict) -> None:
+    print(f"{'kv dtype':10} {'bytes/token':>12} {'greedy agree':>13} {'mean KL':>10} "
+          f"{'perplexity':>11}")
+    for dtype, r in results.items():
+        print(f"{dtype:10} {r['kv_bytes_per_token']:12d} {r['greedy_agreement']:12.1%} "
+              f"{r['mean_kl']:10.5f} {r['perplexity']:11.3f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    results = run(args)
+    if args.json:
+        print(json.dumps(results))
+    else:
+        print_table(results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
