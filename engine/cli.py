@@ -64,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", help="engine vs Hugging Face generate on a mixed workload")
     sub.add_parser("kv-accuracy", help="accuracy of each KV dtype against float32 KV")
     sub.add_parser("serve", help="headless engine process behind ZeroMQ")
+    sub.add_parser("gui", help="the desktop app (the default with no command; --attach URL)")
     calc = sub.add_parser("kv-calc", help="KV bytes per token and in total for a model config")
     calc.add_argument("--config", required=True,
                       help="config.json, a checkpoint folder or an inline JSON object")
@@ -131,6 +132,12 @@ def chat_prompt(tokenizer, text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] == "gui" or argv[0].startswith("--attach"):
+        # The desktop app runs in a process without torch; it starts (or attaches to) an
+        # engine process of its own.
+        from app.main import main as gui_main
+
+        return gui_main(argv[1:] if argv[:1] == ["gui"] else argv)
     if argv[:1] == ["bench"]:
         # bench owns its options (benchmarks/bench.py); argparse REMAINDER would not pass
         # options that start with "--" through.
