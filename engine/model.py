@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention_ref import AttentionMetadata
-from kernels.attention_ref import paged_attention_ref as paged_attention
-from kernels.kv_write_ref import write_kv_ref as write_kv
+from kernels.ops import paged_attention, write_kv
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 

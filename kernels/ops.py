@@ -1,0 +1,59 @@
+"""The kernels the engine calls: Triton on CUDA tensors, the torch references elsewhere.
+
+`KVSCOPE_KERNELS` overrides the choice: `ref` (torch everywhere) or `triton` (Triton
+everywhere; on CPU tensors that works only under TRITON_INTERPRET=1, the slow interpreter the
+tests use). Unset, empty or `auto`: by device. Triton is imported on first use, so a CPU-only
+install never needs a GPU toolchain to import this module.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels.attention_ref import AttentionMetadata, paged_attention_ref
+from kernels.kv_write_ref import write_kv_ref
+
+ENV = "KVSCOPE_KERNELS"
+BACKENDS = ("ref", "triton")
+
+
+def backend(device: torch.device | str) -> str:
+    """'triton' or 'ref' for tensors on `device`, honouring KVSCOPE_KERNELS."""
+    device = torch.device(device)
+    forced = os.environ.get(ENV, "").strip().lower()
+    if forced in ("", "auto"):
+        return "triton" if device.type == "cuda" else "ref"
+    if forced not in BACKENDS:
+        raise ValueError(f"{ENV}={forced!r} is invalid: expected one of auto, ref, triton")
+    if forced == "triton" and device.type != "cuda" \
+            and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(f"{ENV}=triton with tensors on {device}: Triton runs there only "
+                           "under TRITON_INTERPRET=1 (set before triton is imported)")
+    return forced
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """Scatter new K/V rows into their slots (quantizing for int8/fp8 pools); see
+    kernels.kv_write_ref.write_kv_ref."""
+    if backend(k_cache.device) == "triton":
+        from kernels.triton_kv_write import write_kv_triton
+
+        write_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    else:
+        write_kv_ref(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float,
+                    k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Varlen paged attention (decode rows and prefill chunks); see
+    kernels.attention_ref.paged_attention_ref."""
+    if backend(query.device) == "triton":
+        from kernels.triton_attention import paged_attention_triton
+
+        return paged_attention_triton(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
+    return paged_attention_ref(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
