@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: setup
-	$(VENV)/bin/kvscope generate "Explain in two sentences what a KV cache is."
+	$(VENV)/bin/kvscope
 
 test: setup
 	$(VENV)/bin/lint-imports

@@ -1,10 +1,119 @@
-"""Entry point of the desktop app (`kvscope`, `kvscope gui`, `kvscope --attach URL`)."""
+"""Entry point of the desktop app (`kvscope`, `kvscope gui`, `kvscope --attach URL`).
+
+Starts a local engine child with the given engine options, or attaches to a running
+`kvscope serve`. `--demo --screenshot PATH --after SECONDS` runs the load generator and saves
+a PNG of the window SECONDS after the engine is ready, then exits (works offscreen)."""
 from __future__ import annotations
 
+import argparse
 import sys
+from pathlib import Path
+
+ENGINE_OPTIONS = {  # option -> takes a value (passed through to the engine child)
+    "--model": True, "--device": True, "--dtype": True, "--block-size": True,
+    "--kv-dtype": True, "--kv-cache-bytes": True, "--num-kv-blocks": True,
+    "--max-num-seqs": True, "--max-num-batched-tokens": True, "--max-model-len": True,
+    "--no-prefix-caching": False, "--seed": True, "--state-hz": True,
+}
+STYLE = Path(__file__).resolve().parent.parent / "resources" / "style.qss"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvscope", description="kvscope desktop app: chat with a local model and watch "
+                                    "its paged KV cache, batch and memory live")
+    p.add_argument("--attach", metavar="tcp://HOST:PORT",
+                   help="attach to a running `kvscope serve` instead of starting an engine")
+    p.add_argument("--attach-state", metavar="ENDPOINT",
+                   help="its state endpoint (default: the command port + 1)")
+    p.add_argument("--demo", action="store_true", help="start the load generator at once")
+    p.add_argument("--screenshot", metavar="PATH", help="save a PNG of the window and exit")
+    p.add_argument("--after", type=float, default=10.0, metavar="SECONDS",
+                   help="with --screenshot: seconds after the engine is ready (default 10)")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="with --screenshot: give up (exit 1) if the engine is not ready by then")
+    p.add_argument("--size", default="1600x960", help="window size WxH")
+    g = p.add_argument_group("engine options (passed to the engine child)")
+    g.add_argument("--model", help='"default" (embedded SmolLM2-135M-Instruct), a checkpoint '
+                                   'folder or a .gguf')
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--dtype")
+    g.add_argument("--block-size", type=int)
+    g.add_argument("--kv-dtype")
+    g.add_argument("--kv-cache-bytes")
+    g.add_argument("--num-kv-blocks", type=int)
+    g.add_argument("--max-num-seqs", type=int)
+    g.add_argument("--max-num-batched-tokens", type=int)
+    g.add_argument("--max-model-len", type=int)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--seed", type=int)
+    g.add_argument("--state-hz", type=float)
+    return p
+
+
+def engine_args(args) -> list[str]:
+    out: list[str] = []
+    for option, takes_value in ENGINE_OPTIONS.items():
+        value = getattr(args, option[2:].replace("-", "_"))
+        if takes_value and value is not None:
+            out += [option, str(value)]
+        elif not takes_value and value:
+            out.append(option)
+    return out
+
+
+DEMO_PROMPT = "Explain in a few sentences why a paged KV cache wastes less memory."
+
+
+def start_demo(window) -> None:
+    """Synthetic load plus one chat, so every view has something to show."""
+    window.load_panel.set_running(True)
+    window.chat.input.setPlainText(DEMO_PROMPT)
+    rid = window.chat.send()
+    if rid:
+        window.block_map.select_request(rid)
 
 
 def main(argv: list[str]) -> int:
-    print("kvscope: the desktop app is not built yet; use `kvscope generate` or "
-          "`kvscope serve`", file=sys.stderr)
-    return 2
+    args = build_parser().parse_args(argv)
+    from PySide6.QtCore import QTimer
+    from PySide6.QtWidgets import QApplication
+
+    from app.main_window import MainWindow
+
+    app = QApplication.instance() or QApplication([sys.argv[0] if sys.argv else "kvscope"])
+    app.setApplicationName("kvscope")
+    app.setOrganizationName("kvscope")
+    if STYLE.is_file():
+        app.setStyleSheet(STYLE.read_text())
+    window = MainWindow(engine_args=engine_args(args), attach=args.attach,
+                        attach_state=args.attach_state)
+    if args.screenshot:
+        w, _, h = args.size.partition("x")
+        window.resize(int(w), int(h))
+    status = {"code": 0}
+    if args.demo or args.screenshot:
+        window.engineReady.connect(lambda _hello: start_demo(window))
+    if args.screenshot:
+        def shoot() -> None:
+            window.repaint_views()
+            window.refresh_labels()
+            ok = window.grab().save(args.screenshot)
+            print(f"kvscope: screenshot {'saved to' if ok else 'FAILED:'} {args.screenshot}",
+                  file=sys.stderr)
+            status["code"] = 0 if ok else 1
+            window.close()
+
+        def give_up() -> None:
+            if window.hello is None:
+                print("kvscope: the engine was not ready in time", file=sys.stderr)
+                status["code"] = 1
+                window.close()
+
+        window.engineReady.connect(lambda _h: QTimer.singleShot(int(args.after * 1000), shoot))
+        QTimer.singleShot(int(args.timeout * 1000), give_up)
+    window.show()
+    window.start()
+    app.exec()
+    window.shutdown()
+    return status["code"]

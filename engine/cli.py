@@ -1,7 +1,8 @@
-"""`kvscope` command line: generate and bench (serve, gui and trace come later)."""
+"""`kvscope` command line: the GUI by default, and generate, serve, bench, kv-accuracy, kv-calc."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 
@@ -130,6 +131,10 @@ def chat_prompt(tokenizer, text: str) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
+DELEGATED = {"bench": "benchmarks.bench", "kv-accuracy": "benchmarks.kv_accuracy",
+             "serve": "engine.serve_cli"}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] == "gui" or argv[0].startswith("--attach"):
@@ -138,12 +143,11 @@ def main(argv: list[str] | None = None) -> int:
         from app.main import main as gui_main
 
         return gui_main(argv[1:] if argv[:1] == ["gui"] else argv)
-    if argv[:1] == ["bench"]:
-        # bench owns its options (benchmarks/bench.py); argparse REMAINDER would not pass
-        # options that start with "--" through.
-        from benchmarks.bench import main as bench_main
-
-        return bench_main(argv[1:])
+    if argv[0] in DELEGATED:
+        # These commands own their options; argparse REMAINDER would not pass options that
+        # start with "--" through, so they get the raw argv.
+        module = importlib.import_module(DELEGATED[argv[0]])
+        return module.main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "kv-calc":
         return cmd_kv_calc(args)

@@ -1,0 +1,242 @@
+"""The ZeroMQ <-> Qt bridge: engine state and token deltas in, commands out.
+
+Threads:
+* EngineClient's own I/O thread receives frames and deltas; its callbacks only drop them
+  into a Mailbox (newest frame per topic, deltas in order) and never touch Qt objects.
+* A QTimer on the GUI thread drains the mailbox ~30 times a second and emits plain signals,
+  so a burst of 10k frames costs the GUI one frame per topic per tick.
+* Commands that wait for a reply (hello, submit, reconfigure, ...) run on a worker QThread;
+  their outcomes come back as queued signals.
+"""
+from __future__ import annotations
+
+import threading
+
+from PySide6.QtCore import QObject, QThread, QTimer, Signal, Slot
+
+from ipc import EngineClient, EngineError, EngineTimeout
+from ipc.messages import TOPICS
+
+DRAIN_INTERVAL_MS = 33
+HELLO_ATTEMPTS, HELLO_TIMEOUT_S = 4, 15
+
+
+class Mailbox:
+    """Thread-safe hand-over from the client thread: newest frame per topic + all deltas."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._frames: dict[str, object] = {}
+        self._deltas: list = []
+        self.frames_in = 0
+
+    def put_frame(self, topic: str, frame) -> None:
+        with self._lock:
+            self._frames[topic] = frame
+            self.frames_in += 1
+
+    def put_delta(self, delta) -> None:
+        with self._lock:
+            self._deltas.append(delta)
+
+    def take(self) -> tuple[dict[str, object], list]:
+        with self._lock:
+            frames, self._frames = self._frames, {}
+            deltas, self._deltas = self._deltas, []
+        return frames, deltas
+
+
+def plain_prompt(messages: list[dict]) -> str:
+    """A chat as plain text, for models without a chat template (tiny test checkpoints)."""
+    lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
+    return "\n".join(lines) + "\nAssistant:"
+
+
+class CommandWorker(QObject):
+    """Runs the blocking EngineClient calls on its own thread."""
+
+    helloReceived = Signal(object)
+    submitted = Signal(str)  # request id
+    submitFailed = Signal(str, str)  # request id, message
+    reconfigured = Signal(object)  # the config now in force
+    reconfigureRefused = Signal(str)
+    commandFailed = Signal(str, str)  # command, message
+
+    def __init__(self, mailbox: Mailbox) -> None:
+        super().__init__()
+        self.mailbox = mailbox
+        self.client: EngineClient | None = None
+
+    @Slot()
+    def hello(self) -> None:
+        for attempt in range(HELLO_ATTEMPTS):
+            try:
+                self.helloReceived.emit(self.client.hello(timeout=HELLO_TIMEOUT_S))
+                return
+            except EngineTimeout as exc:  # a busy machine: ask again
+                if attempt == HELLO_ATTEMPTS - 1:
+                    self.commandFailed.emit("hello", _message(exc))
+            except Exception as exc:  # noqa: BLE001 - reported to the user
+                self.commandFailed.emit("hello", _message(exc))
+                return
+
+    @Slot(str, object, object)
+    def submit(self, request_id: str, prompt, sampling) -> None:
+        try:
+            try:
+                self._submit(request_id, prompt, sampling)
+            except EngineError as exc:
+                if not (exc.code == "bad_request" and "chat template" in exc.message
+                        and isinstance(prompt, list)):
+                    raise
+                self._submit(request_id, plain_prompt(prompt), sampling)
+            self.submitted.emit(request_id)
+        except Exception as exc:  # noqa: BLE001
+            self.submitFailed.emit(request_id, _message(exc))
+
+    def _submit(self, request_id, prompt, sampling) -> None:
+        self.client.submit(prompt, sampling, request_id=request_id,
+                           on_delta=self.mailbox.put_delta)
+
+    @Slot(str)
+    def abort(self, request_id: str) -> None:
+        try:
+            self.client.abort(request_id)
+        except Exception as exc:  # noqa: BLE001
+            self.commandFailed.emit("abort", _message(exc))
+
+    @Slot(object)
+    def reconfigure(self, changes: dict) -> None:
+        try:
+            self.reconfigured.emit(self.client.reconfigure(timeout=120, **changes))
+        except EngineError as exc:
+            self.reconfigureRefused.emit(exc.message)
+        except Exception as exc:  # noqa: BLE001
+            self.reconfigureRefused.emit(_message(exc))
+
+    @Slot()
+    def shutdown(self) -> None:
+        try:
+            self.client.shutdown(timeout=5)
+        except Exception as exc:  # noqa: BLE001
+            self.commandFailed.emit("shutdown", _message(exc))
+
+
+def _message(exc: Exception) -> str:
+    return getattr(exc, "message", None) or str(exc) or type(exc).__name__
+
+
+class EngineBridge(QObject):
+    """The GUI's one handle on an engine. Signals are facts; methods are commands."""
+
+    stateReceived = Signal(str, object)  # topic, newest frame
+    deltasReceived = Signal(list)  # ipc.messages.Delta, in arrival order
+    helloReceived = Signal(object)
+    engineDied = Signal(str)
+    engineRevived = Signal()
+    submitted = Signal(str)
+    submitFailed = Signal(str, str)
+    reconfigured = Signal(object)
+    reconfigureRefused = Signal(str)
+    commandFailed = Signal(str, str)
+
+    _helloRequested = Signal()
+    _submitRequested = Signal(str, object, object)
+    _abortRequested = Signal(str)
+    _reconfigureRequested = Signal(object)
+    _shutdownRequested = Signal()
+
+    def __init__(self, parent: QObject | None = None, *, heartbeat_timeout: float = 3.0,
+                 client_factory=EngineClient) -> None:
+        super().__init__(parent)
+        self.heartbeat_timeout = heartbeat_timeout
+        self.client_factory = client_factory
+        self.client: EngineClient | None = None
+        self.mailbox = Mailbox()
+        self.frames_emitted = 0
+        self._dead = False
+        self._thread = QThread()
+        self._thread.setObjectName("kvscope-commands")
+        self._worker = CommandWorker(self.mailbox)
+        self._worker.moveToThread(self._thread)
+        for name in ("helloReceived", "submitted", "submitFailed", "reconfigured",
+                     "reconfigureRefused", "commandFailed"):
+            getattr(self._worker, name).connect(getattr(self, name))
+        self._helloRequested.connect(self._worker.hello)
+        self._submitRequested.connect(self._worker.submit)
+        self._abortRequested.connect(self._worker.abort)
+        self._reconfigureRequested.connect(self._worker.reconfigure)
+        self._shutdownRequested.connect(self._worker.shutdown)
+        self._thread.start()
+        self._timer = QTimer(self)
+        self._timer.setInterval(DRAIN_INTERVAL_MS)
+        self._timer.timeout.connect(self.drain)
+
+    @property
+    def connected(self) -> bool:
+        return self.client is not None
+
+    @property
+    def dead(self) -> bool:
+        return self._dead
+
+    # -- commands ---------------------------------------------------------------------------
+    def attach(self, command_endpoint: str, state_endpoint: str | None = None) -> None:
+        self.detach()
+        self.client = self.client_factory(command_endpoint, state_endpoint,
+                                          heartbeat_timeout=self.heartbeat_timeout)
+        self.client.subscribe(TOPICS, callback=self.mailbox.put_frame)
+        self._worker.client = self.client
+        self._dead = False
+        self._timer.start()
+        self._helloRequested.emit()
+
+    def submit(self, request_id: str, prompt, sampling: dict) -> None:
+        if self.client is None:
+            self.submitFailed.emit(request_id, "no engine is connected")
+            return
+        self._submitRequested.emit(request_id, prompt, sampling)
+
+    def abort(self, request_id: str) -> None:
+        if self.client is not None:
+            self._abortRequested.emit(request_id)
+
+    def reconfigure(self, changes: dict) -> None:
+        if self.client is None:
+            self.reconfigureRefused.emit("no engine is connected")
+            return
+        self._reconfigureRequested.emit(dict(changes))
+
+    def shutdown_engine(self) -> None:
+        if self.client is not None:
+            self._shutdownRequested.emit()
+
+    def drain(self) -> None:
+        """Emit the newest frame of each topic and the deltas since the last drain."""
+        frames, deltas = self.mailbox.take()
+        for topic, frame in frames.items():
+            self.frames_emitted += 1
+            self.stateReceived.emit(topic, frame)
+        if deltas:
+            self.deltasReceived.emit(deltas)
+        if self.client is not None:
+            dead = self.client.dead
+            if dead and not self._dead:
+                self._dead = True
+                self.engineDied.emit(self.client.dead_reason or "the engine stopped")
+            elif self._dead and not dead:
+                self._dead = False
+                self.engineRevived.emit()
+
+    def detach(self) -> None:
+        self._timer.stop()
+        if self.client is not None:
+            client, self.client = self.client, None
+            self._worker.client = None
+            client.close()
+
+    def close(self) -> None:
+        """Stop the timer, the client thread and the worker thread (blocks briefly)."""
+        self.detach()
+        self._thread.quit()
+        self._thread.wait(10_000)

@@ -1,0 +1,124 @@
+"""One chat request as the GUI follows it: phase, counters, timings, and its stats line."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from app.fmt import rate, seconds
+
+SENDING, QUEUED, PREFILL, DECODING, PREEMPTED = "sending", "queued", "prefill", "decoding", \
+    "preempted"
+FINISHED, FAILED = "finished", "failed"
+DONE_PHASES = (FINISHED, FAILED)
+
+
+@dataclass
+class Turn:
+    request_id: str
+    conversation: int
+    submitted_at: float = field(default_factory=time.monotonic)
+    phase: str = SENDING
+    text: str = ""
+    num_output: int = 0
+    num_prompt: int = 0
+    num_cached: int = 0
+    num_preemptions: int = 0
+    queued_s: float | None = None
+    ttft_s: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    computed: int = 0  # from the blocks frame: tokens with KV written
+    max_blocks: int = 0  # most blocks its table held
+    block_size: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.phase in DONE_PHASES
+
+    def on_delta(self, d, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self.text += d.text
+        self.num_output = max(self.num_output, d.num_output_tokens)
+        self.num_prompt = d.num_prompt_tokens or self.num_prompt
+        self.num_cached = d.num_cached_tokens
+        self.num_preemptions = d.num_preemptions
+        self.queued_s = d.queued_s if d.queued_s is not None else self.queued_s
+        self.ttft_s = d.ttft_s if d.ttft_s is not None else self.ttft_s
+        if d.token_ids and self.first_token_at is None:
+            self.first_token_at = now
+        if self.phase not in DONE_PHASES:
+            self.phase = DECODING if self.num_output else self.phase
+        if d.finished:
+            self.phase, self.finish_reason, self.finished_at = FINISHED, d.finish_reason, now
+
+    def on_blocks(self, frame) -> None:
+        """Phase from the engine's view: queued, prefill (progress), preempted."""
+        if self.done:
+            return
+        self.block_size = frame.block_size
+        try:
+            i = frame.request_ids.index(self.request_id)
+        except ValueError:
+            return
+        self.computed = frame.num_computed_tokens[i]
+        offsets = frame.array("table_offsets")
+        self.max_blocks = max(self.max_blocks, int(offsets[i + 1] - offsets[i]))
+        running = frame.request_running[i]
+        if not self.num_prompt and not self.num_output:
+            self.num_prompt = frame.num_tokens[i]
+        if not running:
+            self.phase = PREEMPTED if (self.num_output or self.num_preemptions) else QUEUED
+        elif not self.num_output:
+            self.phase = PREFILL
+        else:
+            self.phase = DECODING
+
+    def fail(self, reason: str) -> None:
+        if not self.done:
+            self.phase, self.error, self.finished_at = FAILED, reason, time.monotonic()
+
+    def decode_rate(self) -> float | None:
+        end = self.finished_at or time.monotonic()
+        if self.first_token_at is None or self.num_output < 2 or end <= self.first_token_at:
+            return None
+        return (self.num_output - 1) / (end - self.first_token_at)
+
+    def prefill_rate(self) -> float | None:
+        if self.ttft_s is None:
+            return None
+        busy = self.ttft_s - (self.queued_s or 0.0)
+        computed = self.num_prompt - self.num_cached
+        return computed / busy if busy > 0 and computed > 0 else None
+
+    def phase_text(self, now: float | None = None) -> str:
+        now = time.monotonic() if now is None else now
+        if self.phase in (SENDING, QUEUED):
+            return f"{self.phase} {now - self.submitted_at:.1f} s"
+        if self.phase == PREFILL:
+            total = max(1, self.num_prompt)
+            return f"prefill {self.computed}/{total} tokens ({100 * self.computed // total} %)"
+        if self.phase == DECODING:
+            return f"decoding · {self.num_output} tokens · {rate(self.decode_rate())}"
+        if self.phase == PREEMPTED:
+            return f"preempted · waiting to recompute ({self.num_preemptions}×)"
+        if self.phase == FAILED:
+            return f"failed: {self.error}"
+        return f"finished ({self.finish_reason})"
+
+    def stats_text(self) -> str:
+        blocks = self.max_blocks
+        if not blocks and self.block_size:
+            blocks = -(-(self.num_prompt + self.num_output) // self.block_size)
+        parts = [f"TTFT {seconds(self.ttft_s)}",
+                 f"prefill {rate(self.prefill_rate())}",
+                 f"decode {rate(self.decode_rate())}",
+                 f"{self.num_prompt} prompt + {self.num_output} tokens",
+                 f"{blocks} blocks"]
+        if self.num_cached:
+            parts.append(f"{self.num_cached} cached")
+        if self.num_preemptions:
+            parts.append(f"{self.num_preemptions} preemptions")
+        parts.append(f"stop: {self.finish_reason or self.error or '?'}")
+        return " · ".join(parts)

@@ -1,0 +1,164 @@
+"""Engine knobs: block size, KV dtype, KV budget, max sequences, max batched tokens, prefix
+caching. Apply emits the changed values; the panel then shows what the engine applied (or the
+refusal and its reason), busy while the pool is rebuilt."""
+from __future__ import annotations
+
+from PySide6.QtCore import Signal
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QComboBox,
+    QFormLayout,
+    QHBoxLayout,
+    QLabel,
+    QProgressBar,
+    QPushButton,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+)
+
+BLOCK_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+KV_DTYPES = ["auto", "float32", "float16", "bfloat16", "int8", "fp8"]
+MIB = 1024 * 1024
+KEYS = ("block_size", "kv_dtype", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens",
+        "enable_prefix_caching")
+
+
+class ControlsPanel(QWidget):
+    reconfigureRequested = Signal(object)  # {option: value}, only what differs
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.config: dict = {}
+        self.busy = False
+        self.block_size = QComboBox()
+        self.block_size.addItems([str(b) for b in BLOCK_SIZES])
+        self.kv_dtype = QComboBox()
+        self.kv_dtype.addItems(KV_DTYPES)
+        self.kv_budget = QSpinBox()
+        self.kv_budget.setRange(1, 1024 * 1024)
+        self.kv_budget.setSuffix(" MiB")
+        self.max_seqs = QSpinBox()
+        self.max_seqs.setRange(1, 4096)
+        self.max_batched = QSpinBox()
+        self.max_batched.setRange(1, 1 << 20)
+        self.max_batched.setSingleStep(64)
+        self.prefix_caching = QCheckBox("prefix caching")
+        self.budget_note = QLabel("")
+        self.budget_note.setWordWrap(True)
+        self.budget_note.setObjectName("note")
+        form = QFormLayout()
+        form.addRow("block size (tokens)", self.block_size)
+        form.addRow("KV dtype", self.kv_dtype)
+        form.addRow("KV memory budget", self.kv_budget)
+        form.addRow("", self.budget_note)
+        form.addRow("max sequences", self.max_seqs)
+        form.addRow("max batched tokens", self.max_batched)
+        form.addRow("", self.prefix_caching)
+        self.apply_button = QPushButton("Apply")
+        self.apply_button.setObjectName("applyButton")
+        self.apply_button.clicked.connect(self.apply)
+        self.revert_button = QPushButton("Revert")
+        self.revert_button.clicked.connect(lambda: self.show_config(self.config))
+        self.progress = QProgressBar()
+        self.progress.setRange(0, 0)  # indeterminate: "rebuilding"
+        self.progress.setTextVisible(False)
+        self.progress.setMaximumHeight(6)
+        self.progress.hide()
+        self.result = QLabel("")
+        self.result.setObjectName("applyResult")
+        self.result.setWordWrap(True)
+        buttons = QHBoxLayout()
+        buttons.addWidget(self.revert_button)
+        buttons.addStretch(1)
+        buttons.addWidget(self.apply_button)
+        layout = QVBoxLayout(self)
+        layout.addLayout(form)
+        layout.addLayout(buttons)
+        layout.addWidget(self.progress)
+        layout.addWidget(self.result)
+        layout.addStretch(1)
+        self.set_enabled(False)
+
+    def set_enabled(self, enabled: bool) -> None:
+        for w in (self.block_size, self.kv_dtype, self.kv_budget, self.max_seqs,
+                  self.max_batched, self.prefix_caching, self.apply_button,
+                  self.revert_button):
+            w.setEnabled(enabled and not self.busy)
+
+    def values(self) -> dict:
+        return {"block_size": int(self.block_size.currentText()),
+                "kv_dtype": self.kv_dtype.currentText(),
+                "kv_cache_bytes": self.kv_budget.value() * MIB,
+                "max_num_seqs": self.max_seqs.value(),
+                "max_num_batched_tokens": self.max_batched.value(),
+                "enable_prefix_caching": self.prefix_caching.isChecked()}
+
+    def changes(self) -> dict:
+        """What differs from the configuration in force."""
+        out = {}
+        for key, value in self.values().items():
+            current = self.config.get(key)
+            if key == "kv_cache_bytes" and current is not None and \
+                    round(current / MIB) == value // MIB:
+                continue
+            if current != value:
+                out[key] = value
+        return out
+
+    def apply(self) -> None:
+        changes = self.changes()
+        if not changes:
+            self.result.setText("Nothing to apply: that is the configuration in force.")
+            return
+        self.busy = True
+        self.set_enabled(False)
+        self.progress.show()
+        self.result.setProperty("state", "busy")
+        self.result.setText("Applying " + _fmt(changes) + " — rebuilding the KV pool; "
+                            "running requests are preempted and recomputed…")
+        self.reconfigureRequested.emit(changes)
+
+    # -- engine facts -----------------------------------------------------------------------
+    def show_config(self, config: dict) -> None:
+        """Load the configuration in force into the widgets (at connect and after apply)."""
+        self.config = dict(config)
+        self.block_size.setCurrentText(str(config.get("block_size", 16)))
+        self.kv_dtype.setCurrentText(str(config.get("kv_dtype", "auto")))
+        self.kv_budget.setValue(max(1, round(config.get("kv_cache_bytes", 256 * MIB) / MIB)))
+        self.max_seqs.setValue(int(config.get("max_num_seqs", 64)))
+        self.max_batched.setValue(int(config.get("max_num_batched_tokens", 512)))
+        self.prefix_caching.setChecked(bool(config.get("enable_prefix_caching", True)))
+        fixed = config.get("num_kv_blocks")
+        self.budget_note.setText(f"the pool is fixed at {fixed} blocks (--num-kv-blocks): "
+                                 "the budget is ignored" if fixed else "")
+        self.set_enabled(True)
+
+    def show_applied(self, config: dict) -> None:
+        self.busy = False
+        self.progress.hide()
+        self.show_config(config)
+        self.result.setProperty("state", "ok")
+        shown = {k: config.get(k) for k in KEYS}
+        self.result.setText("Applied by the engine: " + _fmt(shown))
+        self._restyle()
+
+    def show_refused(self, reason: str) -> None:
+        self.busy = False
+        self.progress.hide()
+        self.set_enabled(True)
+        self.result.setProperty("state", "error")
+        self.result.setText("Refused by the engine (the old configuration stays): " + reason)
+        self._restyle()
+
+    def _restyle(self) -> None:
+        self.result.style().unpolish(self.result)
+        self.result.style().polish(self.result)
+
+
+def _fmt(changes: dict) -> str:
+    def one(k, v):
+        if k == "kv_cache_bytes" and isinstance(v, int):
+            return f"{k}={v / MIB:.0f} MiB"
+        return f"{k}={v}"
+    return ", ".join(one(k, v) for k, v in changes.items())

@@ -1,0 +1,116 @@
+"""A local engine child process (`python -m engine.serve_cli`), started without blocking.
+
+The child prints one line `ready <command endpoint> <state endpoint>` on stdout once the model
+is loaded; its stderr (logs) is forwarded to ours and its last lines are kept for error
+messages. The app never imports the engine: it only runs it.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import sys
+from pathlib import Path
+
+from PySide6.QtCore import QObject, QProcess, QProcessEnvironment, Signal
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+STDERR_LINES = 40
+
+
+def serve_command(engine_args: list[str]) -> list[str]:
+    """argv of the child: a free port on loopback, then the user's engine options."""
+    return [sys.executable, "-m", "engine.serve_cli", "--host", "127.0.0.1", "--port", "0",
+            *engine_args]
+
+
+class EngineProcess(QObject):
+    ready = Signal(str, str)  # command endpoint, state endpoint
+    failed = Signal(str)  # it exited (or could not start) before it was ready
+    exited = Signal(int)  # exit code, after it had been ready
+
+    def __init__(self, engine_args: list[str] | None = None,
+                 parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.engine_args = list(engine_args or [])
+        self.endpoints: tuple[str, str] | None = None
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_LINES)
+        self._stdout = b""
+        self._stderr = b""
+        self._stopping = False
+        self.proc: QProcess | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.state() != QProcess.ProcessState.NotRunning
+
+    def pid(self) -> int | None:
+        return int(self.proc.processId()) if self.running else None
+
+    def start(self) -> None:
+        self.stop()
+        self.endpoints, self._stdout, self._stderr, self._stopping = None, b"", b"", False
+        self.stderr_tail.clear()
+        proc = QProcess(self)
+        env = QProcessEnvironment.systemEnvironment()
+        path = env.value("PYTHONPATH", "")
+        env.insert("PYTHONPATH", os.pathsep.join(p for p in (str(REPO_ROOT), path) if p))
+        proc.setProcessEnvironment(env)
+        proc.readyReadStandardOutput.connect(self._read_stdout)
+        proc.readyReadStandardError.connect(self._read_stderr)
+        proc.finished.connect(self._finished)
+        proc.errorOccurred.connect(self._error)
+        argv = serve_command(self.engine_args)
+        self.proc = proc
+        proc.start(argv[0], argv[1:])
+
+    def _read_stdout(self) -> None:
+        if self.proc is None:
+            return
+        self._stdout += bytes(self.proc.readAllStandardOutput())
+        while b"\n" in self._stdout:
+            line, self._stdout = self._stdout.split(b"\n", 1)
+            parts = line.decode(errors="replace").split()
+            if len(parts) == 3 and parts[0] == "ready" and self.endpoints is None:
+                self.endpoints = (parts[1], parts[2])
+                self.ready.emit(parts[1], parts[2])
+
+    def _read_stderr(self) -> None:
+        if self.proc is None:
+            return
+        data = bytes(self.proc.readAllStandardError())
+        sys.stderr.write(data.decode(errors="replace"))
+        self._stderr += data
+        *lines, self._stderr = self._stderr.split(b"\n")
+        self.stderr_tail.extend(x.decode(errors="replace") for x in lines if x.strip())
+
+    def _finished(self, code: int, _status) -> None:
+        if self._stopping:
+            return
+        if self.endpoints is None:
+            tail = "\n".join(list(self.stderr_tail)[-8:])
+            self.failed.emit(f"the engine exited with code {code} before it was ready"
+                             + (f":\n{tail}" if tail else ""))
+        else:
+            self.exited.emit(code)
+
+    def _error(self, error) -> None:
+        if error == QProcess.ProcessError.FailedToStart and self.proc is not None:
+            self.failed.emit(f"could not start the engine: {self.proc.errorString()}")
+
+    def stop(self, timeout_ms: int = 8000) -> None:
+        """SIGTERM (the engine aborts its requests and exits), then SIGKILL if it hangs."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        self._stopping = True
+        if proc.state() != QProcess.ProcessState.NotRunning:
+            proc.terminate()
+            if not proc.waitForFinished(timeout_ms):
+                proc.kill()
+                proc.waitForFinished(2000)
+        proc.deleteLater()
+
+    def kill(self) -> None:
+        """Kill -9, as a crash would (for tests and 'restart')."""
+        if self.running:
+            self.proc.kill()

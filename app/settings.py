@@ -1,0 +1,63 @@
+"""What persists between runs (QSettings): window geometry and layout, chat sampling, the
+plots' time window, the load generator and the KV calculator inputs."""
+from __future__ import annotations
+
+from PySide6.QtCore import QSettings
+from PySide6.QtWidgets import QComboBox, QDoubleSpinBox, QSpinBox
+
+ORGANIZATION, APPLICATION = "kvscope", "kvscope"
+
+
+def default_settings() -> QSettings:
+    return QSettings(ORGANIZATION, APPLICATION)
+
+
+def _widgets(window) -> dict[str, object]:
+    lg, kv = window.load_panel, window.kv_calculator
+    return {
+        "chat/max_tokens": window.chat.max_tokens, "chat/temperature": window.chat.temperature,
+        "plots/window": window.plots.window,
+        "load/rate": lg.rate, "load/concurrency": lg.concurrency, "load/seed": lg.seed,
+        "load/prompt_min": lg.prompt_min, "load/prompt_max": lg.prompt_max,
+        "load/tokens_min": lg.tokens_min, "load/tokens_max": lg.tokens_max,
+        "kv/dtype": kv.dtype, "kv/context": kv.context, "kv/requests": kv.requests,
+        "kv/dist": kv.dist, "kv/mean": kv.mean, "kv/block_size": kv.block_size,
+        "kv/seed": kv.seed,
+    }
+
+
+def save(window, s: QSettings) -> None:
+    s.setValue("window/geometry", window.saveGeometry())
+    s.setValue("window/state", window.saveState())
+    s.setValue("window/main_splitter", window.main_splitter.saveState())
+    s.setValue("window/right_splitter", window.right_splitter.saveState())
+    s.setValue("window/side_tab", window.side_tabs.currentIndex())
+    for key, w in _widgets(window).items():
+        s.setValue(key, w.currentText() if isinstance(w, QComboBox) else w.value())
+    s.sync()
+
+
+def restore(window, s: QSettings) -> None:
+    for key, setter in (("window/geometry", window.restoreGeometry),
+                        ("window/state", window.restoreState),
+                        ("window/main_splitter", window.main_splitter.restoreState),
+                        ("window/right_splitter", window.right_splitter.restoreState)):
+        value = s.value(key)
+        if value is not None:
+            setter(value)
+    tab = s.value("window/side_tab")
+    if tab is not None:
+        window.side_tabs.setCurrentIndex(int(tab))
+    for key, w in _widgets(window).items():
+        value = s.value(key)
+        if value is None:
+            continue
+        try:
+            if isinstance(w, QComboBox):
+                w.setCurrentText(str(value))
+            elif isinstance(w, QDoubleSpinBox):
+                w.setValue(float(value))
+            elif isinstance(w, QSpinBox):
+                w.setValue(int(value))
+        except (TypeError, ValueError):
+            pass  # a corrupt value: keep the default

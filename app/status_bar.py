@@ -1,0 +1,101 @@
+"""Engine status: device, model, dtypes, block size, blocks, and alive / idle / dead from the
+heartbeat. A few times a second it checks how long ago the last heartbeat came."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from PySide6.QtCore import QTimer, Signal
+from PySide6.QtWidgets import QLabel, QPushButton, QStatusBar, QWidget
+
+from app.fmt import human_bytes
+
+DEAD_AFTER_S = 3.0
+CHECK_MS = 250
+STATES = ("connecting", "alive", "idle", "busy", "dead")
+
+
+class EngineStatusBar(QStatusBar):
+    restartRequested = Signal()
+    stateChanged = Signal(str)
+
+    def __init__(self, parent: QWidget | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(parent)
+        self.clock = clock
+        self.state = "connecting"
+        self.last_heartbeat: float | None = None
+        self.busy = False
+        self.dead_reason = ""
+        self.state_label = QLabel()
+        self.state_label.setObjectName("engineState")
+        self.engine_label = QLabel("engine: starting…")
+        self.blocks_label = QLabel("")
+        self.restart_button = QPushButton("Restart engine")
+        self.restart_button.setObjectName("restartButton")
+        self.restart_button.clicked.connect(self.restartRequested)
+        self.restart_button.hide()
+        self.addWidget(self.state_label)
+        self.addWidget(self.engine_label, 1)
+        self.addPermanentWidget(self.blocks_label)
+        self.addPermanentWidget(self.restart_button)
+        self.timer = QTimer(self)
+        self.timer.setInterval(CHECK_MS)
+        self.timer.timeout.connect(self.check_heartbeat)
+        self._set_state("connecting")
+
+    def start_watching(self) -> None:
+        self.last_heartbeat = self.clock()
+        self.timer.start()
+
+    def stop_watching(self) -> None:
+        self.timer.stop()
+
+    def show_heartbeat(self, hb) -> None:
+        self.last_heartbeat = self.clock()
+        self.busy = hb.busy
+        if not self.timer.isActive():
+            self.timer.start()
+        self._set_state("busy" if hb.busy else "idle")
+
+    def show_stats(self, stats) -> None:
+        e, c = stats.engine, stats.config
+        model = str(c.get("model", "?"))
+        model = "SmolLM2-135M-Instruct (embedded)" if model == "default" else Path(model).name
+        self.engine_label.setText(
+            f"{e.get('device', '?')} · {model} · {e.get('dtype', '?')} · KV "
+            f"{e.get('kv_dtype', '?')} · block {e.get('block_size', '?')} · "
+            f"{human_bytes(e.get('kv_cache_bytes'))} KV · up {stats.uptime_s:.0f} s")
+        self.blocks_label.setText(f"blocks {e.get('num_free_blocks', 0)} free / "
+                                  f"{e.get('num_kv_blocks', 0)} total")
+
+    def check_heartbeat(self) -> None:
+        if self.state == "dead" or self.last_heartbeat is None:
+            return
+        silent = self.clock() - self.last_heartbeat
+        if silent > DEAD_AFTER_S:
+            self.mark_dead(f"no heartbeat for {silent:.1f} s")
+
+    def mark_dead(self, reason: str) -> None:
+        self.dead_reason = reason
+        self._set_state("dead")
+
+    def mark_connecting(self, text: str = "starting the engine…") -> None:
+        self.last_heartbeat = None
+        self.engine_label.setText(text)
+        self._set_state("connecting")
+
+    def _set_state(self, state: str) -> None:
+        label = {"connecting": "● connecting", "idle": "● idle", "busy": "● running",
+                 "alive": "● alive", "dead": "● DEAD"}[state]
+        self.state_label.setText(label)
+        self.state_label.setProperty("state", state)
+        self.state_label.style().unpolish(self.state_label)
+        self.state_label.style().polish(self.state_label)
+        self.restart_button.setVisible(state == "dead")
+        if state == "dead":
+            self.engine_label.setText(f"engine is dead: {self.dead_reason}")
+        if state != self.state:
+            self.state = state
+            self.stateChanged.emit(state)

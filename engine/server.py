@@ -1,0 +1,523 @@
+"""`kvscope serve`'s ZeroMQ side: a command ROUTER, a state PUB, and the step loop.
+
+Two threads, so a slow or hostile client never stalls a step:
+
+* the I/O thread owns every socket. It decodes and validates commands (garbage is answered
+  or dropped right there, the engine never sees it), queues good ones for the engine thread,
+  forwards what the engine thread produced, tracks subscriptions and sends the heartbeat.
+* the engine thread owns the LLMEngine. Between steps it takes queued commands, runs a step,
+  routes the token deltas to their submitters and builds the state frames of subscribed
+  topics, each at most `state_hz` times a second and within a CPU budget. It hands frames to
+  the I/O thread over an inproc PAIR with no high-water mark, so it never waits on a socket.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+import engine as engine_pkg
+from engine import snapshots
+from engine.sampling_params import SamplingParams
+from ipc import codec
+from ipc import messages as m
+from ipc.endpoints import is_ipv6
+
+HEARTBEAT_S = 1.0
+PUB_HWM = 16  # messages per subscriber; beyond that PUB drops (newer state follows anyway)
+ROUTER_SNDHWM = 100_000  # per client; a client this far behind loses its requests
+MAX_STATE_BACKLOG = 4  # state frames not yet forwarded before the engine skips a round
+MAX_COMMANDS_PER_STEP = 256
+RECENT_FINISHED = 4096  # ids remembered so a late abort is "already finished", not unknown
+
+
+class CommandError(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class _ClientGone:
+    """Internal: the I/O thread could not route to this client any more."""
+
+    def __init__(self, identity: bytes) -> None:
+        self.identity = identity
+
+
+_WAKE, _STOP = object(), object()
+STATE_TOPICS = ("step", "blocks", "stats")  # built by the engine thread; heartbeat by I/O
+PUBLISH_BUDGET = 0.01  # share of the engine thread each state topic may take at most
+STATS_INTERVAL = 0.1  # rates and percentiles move slowly: 10 Hz is plenty
+
+
+@dataclass
+class _Published:
+    at: float = float("-inf")  # monotonic time of the last frame
+    version: int = 0  # state version it showed
+    gap: float = 0.0  # least time to the next one
+
+
+class EngineServer:
+    def __init__(self, engine, command_endpoint: str, state_endpoint: str, *,
+                 max_message_bytes: int = m.DEFAULT_MAX_MESSAGE_BYTES, state_hz: float = 30.0,
+                 max_pending_requests: int = 4096) -> None:
+        self.engine = engine
+        self.max_message_bytes = max_message_bytes
+        self.state_interval = 1.0 / state_hz
+        self.max_pending_requests = max_pending_requests
+        self.ctx = zmq.Context()
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.io = _IOThread(self, command_endpoint, state_endpoint)
+        self.endpoints = self.io.endpoints
+        self.out = self.ctx.socket(zmq.PAIR)
+        self.out.setsockopt(zmq.SNDHWM, 0)
+        self.out.connect(self.io.inproc)
+        self.counters = {"requests": 0, "finished": 0, "aborted": 0, "errors": 0}
+        self.owners: dict[str, bytes] = {}
+        self.streamed: dict[str, int] = {}  # output tokens streamed per live request
+        self.first_scheduled: dict[str, float] = {}
+        self.recent: OrderedDict[str, str] = OrderedDict()  # finished id -> reason
+        self.steplog = snapshots.StepLog()
+        self.metrics = snapshots.Metrics()
+        self.topic_seq = dict.fromkeys(m.TOPICS, 0)
+        self.state_sent = 0
+        self.publish_s = 0.0  # engine-thread time spent building state frames
+        # State versions: bumped on every change; a topic is stale when its frame is older.
+        self.version = 1
+        self.published = {t: _Published() for t in STATE_TOPICS}
+        self.stopping = self.failed = False
+        self.thread = threading.Thread(target=self._run, name="kvscope-engine", daemon=True)
+        self.done = threading.Event()
+
+    # -- lifecycle (main thread) -----------------------------------------------------------
+    def start(self) -> tuple[str, str]:
+        self.io.start()
+        self.thread.start()
+        return self.endpoints
+
+    def request_stop(self) -> None:
+        """Safe from a signal handler: the engine thread aborts in-flight requests and exits."""
+        self.commands.put(_STOP)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.done.wait(timeout)
+
+    def close(self) -> None:
+        self.request_stop()
+        self.thread.join(10)
+        self.io.join(10)
+        if not (self.thread.is_alive() or self.io.is_alive()):
+            self.ctx.term()  # (a wedged thread still holds sockets: term would hang)
+
+    # -- engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self.stopping:
+                self._take_commands(block=not self.engine.has_unfinished())
+                if self.stopping:
+                    break
+                if self.engine.has_unfinished():
+                    self._step()
+                self._maybe_publish()
+            self._abort_all()
+            self._refuse_queued()
+        except BaseException:  # noqa: BLE001 - report, then stop cleanly below
+            self.failed = True
+            traceback.print_exc()
+        finally:
+            self.out.send(b"S")
+            self.out.close(linger=1000)
+            self.io.join(5)
+            self.done.set()
+
+    def _take_commands(self, block: bool) -> None:
+        timeout = None
+        if block:
+            timeout = max(0.001, min(HEARTBEAT_S, self._next_publish() - time.monotonic()))
+        for _ in range(MAX_COMMANDS_PER_STEP):
+            try:
+                item = self.commands.get(timeout=timeout) if timeout else \
+                    self.commands.get_nowait()
+            except queue.Empty:
+                return
+            timeout = None
+            self._dispatch(item)
+            if self.stopping:
+                return
+
+    def _dispatch(self, item) -> None:
+        if item is _STOP:
+            self.stopping = True
+        elif item is _WAKE:
+            self.version += 1  # a new subscriber: give it the full state now
+        elif isinstance(item, _ClientGone):
+            for rid in [r for r, who in self.owners.items() if who == item.identity]:
+                self.engine.abort_request(rid)
+                self._forget(rid, "abort")
+        else:
+            self._command(*item)
+
+    def _step(self) -> None:
+        engine = self.engine
+        before = engine.num_steps
+        start = time.monotonic()
+        try:
+            deltas = engine.step()
+        except Exception:  # noqa: BLE001 - a failing step must not take the server down
+            traceback.print_exc()
+            self._abort_all(reason="error")
+            return
+        if engine.num_steps != before:
+            self.steplog.record(engine, self.streamed, time.monotonic() - start)
+            for s in engine.last_batch:
+                self.first_scheduled.setdefault(s.seq.request_id, start)
+        self._route(deltas)
+        self.version += 1
+
+    # -- deltas ----------------------------------------------------------------------------
+    def _route(self, deltas) -> None:
+        now = time.monotonic()
+        by_client: dict[bytes, list[m.Delta]] = {}
+        for d in deltas:
+            seq = self.engine.requests.get(d.request_id)
+            who = self.owners.get(d.request_id)
+            if seq is None or who is None:
+                continue
+            if d.token_ids:
+                self.metrics.on_tokens(seq, now)
+                self.streamed[d.request_id] = self.streamed.get(d.request_id, 0) + \
+                    len(d.token_ids)
+            by_client.setdefault(who, []).append(self._delta(seq, d.token_ids, d.text,
+                                                             d.finish_reason if d.finished
+                                                             else None))
+            if d.finished:
+                self.engine.pop_output(d.request_id)
+                self._forget(d.request_id, d.finish_reason or "stop")
+        for who, items in by_client.items():
+            self._send(who, m.Deltas(items))
+
+    def _delta(self, seq, token_ids, text, reason) -> m.Delta:
+        first = self.first_scheduled.get(seq.request_id)
+        return m.Delta(
+            request_id=seq.request_id, token_ids=list(token_ids), text=text,
+            finished=reason is not None, finish_reason=reason,
+            queued_s=None if first is None else first - seq.arrival_time,
+            ttft_s=None if seq.first_token_time is None
+            else seq.first_token_time - seq.arrival_time,
+            num_output_tokens=seq.num_output_tokens, num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens, num_preemptions=seq.num_preemptions)
+
+    def _forget(self, rid: str, reason: str) -> None:
+        self.owners.pop(rid, None)
+        self.streamed.pop(rid, None)
+        self.first_scheduled.pop(rid, None)
+        self.metrics.forget(rid)
+        seq = self.engine.requests.get(rid)
+        if seq is not None and seq.is_finished:
+            self.engine.pop_output(rid)  # the engine keeps finished requests until popped
+        self.recent[rid] = reason
+        if len(self.recent) > RECENT_FINISHED:
+            self.recent.popitem(last=False)
+        self.counters["aborted" if reason == "abort" else "finished"] += 1
+
+    def _abort_all(self, reason: str = "abort") -> list[str]:
+        """Finish every live request, telling its submitter (shutdown, or a failed step)."""
+        aborted = []
+        for rid, who in list(self.owners.items()):
+            seq = self.engine.requests.get(rid)
+            if seq is not None and not seq.is_finished:
+                self.engine.scheduler.finish(seq, reason)
+            if seq is not None:
+                self._send(who, m.Deltas([self._delta(seq, [], "", reason)]))
+            self._forget(rid, reason)
+            aborted.append(rid)
+        return aborted
+
+    def _refuse_queued(self) -> None:
+        while True:
+            try:
+                item = self.commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, tuple):
+                who, cmd = item
+                self._send(who, m.Error(cmd.id, m.SHUTTING_DOWN, "the engine is shutting down"))
+
+    # -- commands --------------------------------------------------------------------------
+    def _command(self, who: bytes, cmd) -> None:
+        handler = getattr(self, "_cmd_" + type(cmd).__name__.lower())
+        try:
+            result = handler(who, cmd)
+            reply = m.Ok(cmd.id, msgspec.Raw(codec.encode(result)))
+        except CommandError as exc:
+            reply = m.Error(cmd.id, exc.code, exc.message)
+        except Exception as exc:  # noqa: BLE001 - a bug answers this call, nothing else
+            traceback.print_exc()
+            reply = m.Error(cmd.id, m.INTERNAL, f"{type(exc).__name__}: {exc}")
+        if isinstance(reply, m.Error):
+            self.counters["errors"] += 1
+        self._send(who, reply)
+        self.version += 1
+
+    def _cmd_hello(self, who, cmd: m.Hello) -> m.HelloResult:
+        if cmd.protocol != m.PROTOCOL_VERSION:
+            raise CommandError(m.VERSION_MISMATCH, f"the engine speaks protocol "
+                               f"{m.PROTOCOL_VERSION}, the client {cmd.protocol}")
+        e = self.engine
+        return m.HelloResult(m.PROTOCOL_VERSION, engine_pkg.__version__, e.config.model,
+                             os.getpid(), e.config.to_dict(), e.max_model_len,
+                             self.max_message_bytes)
+
+    def _cmd_submit(self, who, cmd: m.Submit) -> m.SubmitResult:
+        if len(self.owners) >= self.max_pending_requests:
+            raise CommandError(m.OVERLOADED, f"{len(self.owners)} requests in flight, the "
+                               f"limit is {self.max_pending_requests}; retry later")
+        try:
+            prompt = self._prompt_of(cmd)
+            params = SamplingParams(**msgspec.structs.asdict(cmd.sampling))
+            rid = self.engine.add_request(prompt, params, cmd.request_id)
+        except ValueError as exc:
+            raise CommandError(m.BAD_REQUEST, str(exc)) from None
+        self.owners[rid] = who
+        self.recent.pop(rid, None)  # a reused id is a new request
+        self.counters["requests"] += 1
+        return m.SubmitResult(rid, self.engine.requests[rid].num_prompt_tokens)
+
+    def _prompt_of(self, cmd: m.Submit) -> str | list[int]:
+        given = [x for x in (cmd.prompt, cmd.messages, cmd.token_ids) if x is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of prompt, messages or token_ids")
+        if cmd.messages is None:
+            return given[0]
+        if not cmd.messages:
+            raise ValueError("messages is empty")
+        try:
+            ids = self.engine.tokenizer.apply_chat_template(
+                [msgspec.structs.asdict(x) for x in cmd.messages], add_generation_prompt=True,
+                tokenize=True)
+        except Exception as exc:  # noqa: BLE001 - template errors are the caller's input
+            raise ValueError(f"chat template failed: {exc}") from None
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def _cmd_abort(self, who, cmd: m.Abort) -> m.AbortResult:
+        rid = cmd.request_id
+        if rid not in self.owners and rid in self.recent:
+            return m.AbortResult(False, self.recent[rid])
+        if rid not in self.owners or not self.engine.abort_request(rid):
+            raise CommandError(m.UNKNOWN_REQUEST, f"no request {rid!r} is in flight")
+        owner = self.owners[rid]
+        self._send(owner, m.Deltas([self._delta(self.engine.requests[rid], [], "", "abort")]))
+        self._forget(rid, "abort")
+        return m.AbortResult(True, "abort")
+
+    def _cmd_reconfigure(self, who, cmd: m.Reconfigure) -> m.ReconfigureResult:
+        try:
+            config = self.engine.reconfigure(**cmd.changes)
+        except (ValueError, TypeError) as exc:
+            raise CommandError(m.REFUSED, str(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory: the old pool is back
+            raise CommandError(m.REFUSED, f"{type(exc).__name__}: {exc}") from None
+        return m.ReconfigureResult(config.to_dict())
+
+    def _cmd_snapshot(self, who, cmd: m.Snapshot) -> m.SnapshotResult:
+        return m.SnapshotResult(self.steplog.frame(self.engine, self.topic_seq["step"],
+                                                    consume=False),
+                                snapshots.blocks_frame(self.engine, self.topic_seq["blocks"]),
+                                self._stats(self.topic_seq["stats"]))
+
+    def _cmd_shutdown(self, who, cmd: m.Shutdown) -> m.ShutdownResult:
+        self.stopping = True
+        return m.ShutdownResult(self._abort_all())
+
+    # -- state -----------------------------------------------------------------------------
+    def _maybe_publish(self) -> None:
+        """Publish each subscribed topic that is stale and due. A topic is due when both
+        1/state_hz and cost/PUBLISH_BUDGET have passed since its last frame, so building
+        frames never takes more than that share of the engine thread (a 32k-block pool gets
+        fewer blocks frames rather than slower steps). Idle topics repeat every second."""
+        if self.state_sent - self.io.state_forwarded > MAX_STATE_BACKLOG:
+            return  # the I/O thread is behind: skip a round rather than queue
+        now = time.monotonic()
+        for topic, pub in self.published.items():
+            if now < self._due(pub) or not self.io.wanted(topic):
+                continue
+            started = time.perf_counter()
+            frame = self._build(topic, self.topic_seq[topic] + 1)
+            if frame is None:
+                continue
+            payload = codec.encode(frame)
+            cost = time.perf_counter() - started
+            self.publish_s += cost
+            self.topic_seq[topic] += 1
+            self.state_sent += 1
+            self.out.send_multipart([b"P", topic.encode(), payload], copy=False)
+            pub.at, pub.version = now, self.version
+            pub.gap = max(self.state_interval if topic != "stats" else STATS_INTERVAL,
+                          cost / PUBLISH_BUDGET)
+
+    def _due(self, pub: _Published) -> float:
+        return pub.at + (pub.gap if pub.version < self.version else max(pub.gap, HEARTBEAT_S))
+
+    def _next_publish(self) -> float:
+        return min(self._due(p) for t, p in self.published.items() if self.io.wanted(t)) \
+            if any(self.io.wanted(t) for t in self.published) else time.monotonic() + HEARTBEAT_S
+
+    def _build(self, topic: str, seq: int):
+        if topic == "step":
+            return self.steplog.frame(self.engine, seq)
+        if topic == "blocks":
+            return snapshots.blocks_frame(self.engine, seq)
+        return self._stats(seq)
+
+    def _stats(self, seq: int) -> m.StatsFrame:
+        server = dict(self.counters, bad_frames=self.io.bad_frames,
+                      dropped_replies=self.io.dropped, publish_s=self.publish_s)
+        return self.metrics.frame(self.engine, seq, server)
+
+    def _send(self, who: bytes, reply) -> None:
+        self.out.send_multipart([b"R", who, codec.encode(reply)], copy=False)
+
+
+class _IOThread(threading.Thread):
+    """Owns the sockets; never touches the engine."""
+
+    def __init__(self, server: EngineServer, command_endpoint: str, state_endpoint: str):
+        super().__init__(name="kvscope-io", daemon=True)
+        self.server = server
+        ctx = server.ctx
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable -> error we can count
+        # A client reconnecting under its fixed routing id takes its requests' streams along.
+        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.router.setsockopt(zmq.MAXMSGSIZE, server.max_message_bytes)
+        self.router.setsockopt(zmq.SNDHWM, ROUTER_SNDHWM)
+        self.pub = ctx.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.SNDHWM, PUB_HWM)
+        self.pub.setsockopt(zmq.XPUB_VERBOSER, 1)  # see every (un)subscription: count them
+        self.pub.setsockopt(zmq.MAXMSGSIZE, 1024)  # subscriptions are short
+        self.endpoints = (_bind(self.router, command_endpoint), _bind(self.pub, state_endpoint))
+        self.inproc = f"inproc://kvscope-engine-{id(self)}"
+        self.pair = ctx.socket(zmq.PAIR)
+        self.pair.setsockopt(zmq.RCVHWM, 0)
+        self.pair.bind(self.inproc)
+        self.subscriptions: dict[bytes, int] = {}
+        self.prefixes: frozenset[bytes] = frozenset()
+        self.bad_frames = self.dropped = self.state_forwarded = self.heartbeat_seq = 0
+        self.started = time.monotonic()
+
+    def wanted(self, topic: str) -> bool:
+        t = topic.encode()
+        return any(t.startswith(p) for p in self.prefixes)
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        for s in (self.pair, self.router, self.pub):
+            poller.register(s, zmq.POLLIN)
+        next_beat = time.monotonic()
+        try:
+            while True:
+                events = dict(poller.poll(max(0.0, next_beat - time.monotonic()) * 1000))
+                if self.pair in events and not self._forward():
+                    break
+                if self.router in events:
+                    self._read_commands()
+                if self.pub in events:
+                    self._read_subscriptions()
+                if time.monotonic() >= next_beat:
+                    self._heartbeat()
+                    next_beat = time.monotonic() + HEARTBEAT_S
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            self.server.request_stop()
+        finally:
+            for s in (self.router, self.pub, self.pair):
+                s.close(linger=1000)  # let the last replies (shutdown's) reach their clients
+
+    def _forward(self) -> bool:
+        """Send what the engine thread produced; False once it says stop."""
+        for _ in range(1000):
+            try:
+                frames = self.pair.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return True
+            kind = frames[0].bytes
+            if kind == b"S":
+                return False
+            if kind == b"P":
+                self.state_forwarded += 1
+                self._send(self.pub, frames[1:])
+            else:
+                self._reply(frames[1].bytes, frames[2])
+        return True
+
+    def _reply(self, identity: bytes, payload) -> None:
+        try:
+            self.router.send_multipart([identity, payload], zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError:  # gone (EHOSTUNREACH) or hopelessly behind (EAGAIN)
+            self.dropped += 1
+            self.server.commands.put(_ClientGone(identity))
+
+    def _send(self, sock, frames) -> None:
+        try:
+            sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError:
+            self.dropped += 1
+
+    def _read_commands(self) -> None:
+        for _ in range(1000):
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            identity, body = frames[0], frames[1:]
+            try:
+                if len(body) != 1:
+                    raise codec.BadMessage(m.MALFORMED, f"expected one frame after the routing "
+                                           f"id, got {len(body)}")
+                self.server.commands.put((identity, codec.decode_command(body[0])))
+            except codec.BadMessage as exc:
+                self.bad_frames += 1
+                self._reply(identity, codec.encode(m.Error(exc.call_id, exc.code, exc.message)))
+
+    def _read_subscriptions(self) -> None:
+        while True:
+            try:
+                msg = self.pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if not msg or msg[0] not in (0, 1):
+                continue
+            prefix, delta = msg[1:], (1 if msg[0] else -1)
+            self.subscriptions[prefix] = self.subscriptions.get(prefix, 0) + delta
+            if delta > 0:
+                self.server.commands.put(_WAKE)  # publish now, for the newcomer
+        self.prefixes = frozenset(p for p, n in self.subscriptions.items() if n > 0)
+
+    def _heartbeat(self) -> None:
+        self.heartbeat_seq += 1
+        engine = self.server.engine
+        beat = snapshots.heartbeat(self.heartbeat_seq, engine.num_steps, self.started,
+                                   engine.has_unfinished(), self.bad_frames)
+        self._send(self.pub, [b"heartbeat", codec.encode(beat)])
+
+
+def _bind(sock: zmq.Socket, endpoint: str) -> str:
+    """Bind; a tcp port of 0 or * picks a free one. Returns the endpoint actually bound."""
+    if is_ipv6(endpoint):
+        sock.setsockopt(zmq.IPV6, 1)
+    if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
+        endpoint = endpoint[:-1] + "*"
+    sock.bind(endpoint)
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def log(msg: str) -> None:
+    print(f"kvscope serve: {msg}", file=sys.stderr, flush=True)

@@ -1,0 +1,289 @@
+"""Every message on the wire, as msgspec Structs (msgpack encoded; never pickle).
+
+Command channel (client DEALER -> engine ROUTER): one frame per message, a msgpack map whose
+"type" field selects the command. Every command carries an `id` chosen by the client and gets
+exactly one reply with the same id: `ok` (with a result) or `error` (machine-readable code and
+a human message). Token deltas come back on the same channel as `deltas` messages (one per
+step and client, several requests batched).
+
+State channel (engine PUB -> client SUB): two frames, topic and payload. Each topic has its
+own sequence number so a subscriber can count what it missed; counters are cumulative so it can
+compute rates itself.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+# Bigger command frames are refused by libzmq itself (ZMQ_MAXMSGSIZE) and the peer dropped.
+DEFAULT_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+
+CallId = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+Scalar = bool | int | float | str | None
+
+
+class _Command(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, kw_only=True):
+    id: CallId
+
+
+class Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Mirrors engine.SamplingParams; the engine validates the values."""
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    role: str
+    content: str
+
+
+class Hello(_Command, tag="hello"):
+    protocol: int
+    client: str = ""
+
+
+class Submit(_Command, tag="submit"):
+    """Exactly one of prompt (raw text), messages (chat template applied) or token_ids."""
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    token_ids: list[int] | None = None
+    sampling: Sampling = msgspec.field(default_factory=Sampling)
+    request_id: str | None = None
+
+
+class Abort(_Command, tag="abort"):
+    request_id: str
+
+
+class Reconfigure(_Command, tag="reconfigure"):
+    """Engine options by name (block_size, kv_dtype, ...); the engine checks names and values."""
+    changes: dict[str, Scalar]
+
+
+class Snapshot(_Command, tag="snapshot"):
+    pass
+
+
+class Shutdown(_Command, tag="shutdown"):
+    pass
+
+
+Command = Hello | Submit | Abort | Reconfigure | Snapshot | Shutdown
+
+
+# -- engine -> client on the command channel ----------------------------------------------
+class Ok(msgspec.Struct, tag_field="type", tag="ok"):
+    id: int
+    result: msgspec.Raw  # decoded by the client into the command's result type
+
+
+class Error(msgspec.Struct, tag_field="type", tag="error"):
+    id: int | None  # None when the request was too broken to carry an id
+    code: str
+    message: str
+
+
+class Delta(msgspec.Struct, kw_only=True):
+    """New tokens of one request. Timings in seconds since the request arrived."""
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    queued_s: float | None = None  # arrival -> first scheduled
+    ttft_s: float | None = None  # arrival -> first token
+    num_output_tokens: int = 0  # tokens so far, this delta included
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+
+class Deltas(msgspec.Struct, tag_field="type", tag="deltas"):
+    items: list[Delta]
+
+
+Reply = Ok | Error | Deltas
+
+
+# -- results ---------------------------------------------------------------------------------
+class HelloResult(msgspec.Struct):
+    protocol: int
+    engine_version: str
+    model: str
+    pid: int
+    config: dict[str, Any]
+    max_model_len: int
+    max_message_bytes: int
+
+
+class SubmitResult(msgspec.Struct):
+    request_id: str
+    num_prompt_tokens: int
+
+
+class AbortResult(msgspec.Struct):
+    aborted: bool  # False: it had already finished
+    finish_reason: str | None = None
+
+
+class ReconfigureResult(msgspec.Struct):
+    config: dict[str, Any]
+
+
+class ShutdownResult(msgspec.Struct):
+    aborted: list[str]
+
+
+# Error codes (Error.code).
+MALFORMED = "malformed"  # not one msgpack map in one frame
+UNKNOWN_TYPE = "unknown_type"
+INVALID = "invalid"  # wrong or missing field
+VERSION_MISMATCH = "version_mismatch"
+BAD_REQUEST = "bad_request"  # the engine refused the values (prompt, sampling)
+UNKNOWN_REQUEST = "unknown_request"
+REFUSED = "refused"  # reconfigure refused; the old configuration stays
+OVERLOADED = "overloaded"
+SHUTTING_DOWN = "shutting_down"
+INTERNAL = "internal"
+
+
+# -- state channel (PUB) -------------------------------------------------------------------
+class StepRecord(msgspec.Struct, array_like=True):
+    """One engine step, compact (a msgpack array); frames carry every step since the last."""
+    step: int
+    time: float  # wall clock at the step's end
+    duration_s: float
+    batch_size: int
+    prefill_tokens: int
+    decode_tokens: int
+    num_running: int
+    num_waiting: int
+
+
+class ScheduledItem(msgspec.Struct, array_like=True):
+    request_id: str
+    num_tokens: int
+    is_decode: bool
+
+
+class StepFrame(msgspec.Struct, kw_only=True):
+    seq: int
+    time: float  # wall clock (time.time()) at the end of `step`
+    step: int  # steps run so far (the latest step's index + 1)
+    duration_s: float
+    scheduled: list[ScheduledItem]
+    batch_size: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_scheduled_tokens: int  # the part of the token budget this step used
+    token_budget: int  # max_num_batched_tokens
+    num_running: int
+    num_waiting: int
+    num_preempted: int  # waiting again after a preemption
+    preemptions_total: int
+    prompt_tokens_total: int
+    generated_tokens_total: int
+    history: list[StepRecord]  # the steps since the previous frame (bounded)
+    history_dropped_total: int  # steps that fell off that bound, cumulative
+
+
+# BlocksFrame.flags bits
+BLOCK_FREE, BLOCK_CACHED, BLOCK_USED = 0, 1, 2
+BLOCK_STATE_MASK = 0b11
+BLOCK_HAS_HASH = 0b100
+# Per-block arrays travel as raw little-endian bytes in the narrowest integer type that holds
+# them (BlocksFrame.dtypes); only these numpy dtype strings are accepted.
+ArrayDtype = Literal["|u1", "|i1", "<u2", "<i2", "<u4", "<i4"]
+WIDE_DTYPES = {"owner": "<i4", "filled": "<u2", "ref_count": "<u2", "flags": "|u1",
+               "table_offsets": "<i4", "tables": "<i4"}
+
+
+class BlocksFrame(msgspec.Struct, kw_only=True):
+    """The KV pool as it is. Arrays are raw bytes (dtype in `dtypes`) so 32k blocks stay a
+    memcpy to encode and decode; `array(name)` gives them back as numpy arrays."""
+    seq: int
+    time: float
+    step: int
+    num_blocks: int
+    block_size: int
+    owner: bytes  # index into request_ids of the first holder, -1 when nobody holds it
+    filled: bytes  # tokens written into the block
+    ref_count: bytes
+    flags: bytes  # state in bits 0-1 (BLOCK_FREE/CACHED/USED), BLOCK_HAS_HASH
+    request_ids: list[str]  # running requests, then waiting ones
+    request_running: list[bool]
+    num_tokens: list[int]
+    num_computed_tokens: list[int]
+    table_offsets: bytes  # request i's block table is tables[offsets[i]:offsets[i+1]]
+    tables: bytes  # logical -> physical block ids, concatenated
+    used: int
+    free: int  # truly free
+    cached: int  # free but still holding a prefix-cache entry
+    tokens_stored: int
+    internal_waste_slots: int  # allocated slots not yet written
+    reserved_max_len_blocks: int  # blocks if every live request reserved max_model_len
+    reserved_request_blocks: int  # blocks if each reserved prompt + max_tokens
+    # Dtype of each array; the engine narrows them, the default is the widest it sends.
+    dtypes: dict[str, ArrayDtype] = msgspec.field(default_factory=lambda: dict(WIDE_DTYPES))
+
+    def array(self, name: str):
+        import numpy as np
+
+        return np.frombuffer(getattr(self, name), dtype=self.dtypes[name])
+
+    def block_table(self, request_id: str) -> list[int]:
+        i = self.request_ids.index(request_id)
+        offsets = self.array("table_offsets")
+        return self.array("tables")[offsets[i]:offsets[i + 1]].tolist()
+
+
+class Percentiles(msgspec.Struct, array_like=True):
+    p50: float | None
+    p90: float | None
+    p99: float | None
+    count: int
+
+
+class StatsFrame(msgspec.Struct, kw_only=True):
+    seq: int
+    time: float
+    step: int
+    uptime_s: float
+    window_s: float  # rates are over the last window_s seconds
+    prompt_tokens_per_s: float
+    generation_tokens_per_s: float
+    ttft_s: Percentiles  # over the most recent requests
+    itl_s: Percentiles  # inter-token latency over the most recent tokens
+    kv_usage: float  # used blocks / all blocks
+    engine: dict[str, Any]  # LLMEngine.stats(): cumulative counters, pool, device
+    config: dict[str, Any]  # the EngineConfig in force
+    server: dict[str, int | float]  # cumulative: requests, bad frames, publish_s, ...
+
+
+class Heartbeat(msgspec.Struct, kw_only=True):
+    seq: int
+    time: float
+    step: int
+    uptime_s: float
+    pid: int
+    busy: bool
+    bad_frames: int
+
+
+class SnapshotResult(msgspec.Struct):
+    step: StepFrame | None  # None before the first step
+    blocks: BlocksFrame
+    stats: StatsFrame
+
+
+TOPIC_TYPES: dict[str, type] = {"step": StepFrame, "blocks": BlocksFrame, "stats": StatsFrame,
+                                "heartbeat": Heartbeat}
+TOPICS = tuple(TOPIC_TYPES)

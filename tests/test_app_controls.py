@@ -1,0 +1,55 @@
+"""Controls: Apply emits the chosen values, then shows what was applied or the refusal."""
+import os
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+from app.controls import MIB, ControlsPanel
+
+CONFIG = {"block_size": 16, "kv_dtype": "auto", "kv_cache_bytes": 256 * MIB,
+          "num_kv_blocks": None, "max_num_seqs": 64, "max_num_batched_tokens": 512,
+          "enable_prefix_caching": True}
+
+
+def test_apply_emits_changes_and_shows_applied(qtbot):
+    panel = ControlsPanel()
+    qtbot.addWidget(panel)
+    panel.show_config(CONFIG)
+    assert panel.apply_button.isEnabled()
+    panel.block_size.setCurrentText("32")
+    panel.kv_dtype.setCurrentText("int8")
+    panel.kv_budget.setValue(64)
+    panel.prefix_caching.setChecked(False)
+    with qtbot.waitSignal(panel.reconfigureRequested) as sig:
+        panel.apply_button.click()
+    assert sig.args == [{"block_size": 32, "kv_dtype": "int8", "kv_cache_bytes": 64 * MIB,
+                         "enable_prefix_caching": False}]
+    assert panel.busy and not panel.apply_button.isEnabled() and panel.progress.isVisibleTo(panel)
+    applied = dict(CONFIG, block_size=32, kv_dtype="int8", kv_cache_bytes=64 * MIB,
+                   enable_prefix_caching=False)
+    panel.show_applied(applied)
+    assert not panel.busy and panel.apply_button.isEnabled()
+    assert panel.result.property("state") == "ok"
+    assert "block_size=32" in panel.result.text() and "kv_dtype=int8" in panel.result.text()
+    assert panel.changes() == {}
+
+
+def test_refusal_is_shown_and_config_kept(qtbot):
+    panel = ControlsPanel()
+    qtbot.addWidget(panel)
+    panel.show_config(CONFIG)
+    panel.block_size.setCurrentText("256")
+    with qtbot.waitSignal(panel.reconfigureRequested):
+        panel.apply()
+    panel.show_refused("the new KV pool (2 blocks of 256) cannot hold a running request")
+    assert panel.result.property("state") == "error"
+    assert "cannot hold a running request" in panel.result.text()
+    assert panel.config["block_size"] == 16 and panel.apply_button.isEnabled()
+
+
+def test_nothing_to_apply(qtbot):
+    panel = ControlsPanel()
+    qtbot.addWidget(panel)
+    panel.show_config(CONFIG)
+    with qtbot.assertNotEmitted(panel.reconfigureRequested):
+        panel.apply()
+    assert "Nothing to apply" in panel.result.text()

@@ -1,0 +1,141 @@
+"""KV calculator, load generator, batch plots, settings persistence, entry-point options."""
+import os
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+import json
+import sys
+
+from app_fakes import blocks_frame, stats_frame, step_frame
+from PySide6.QtCore import QSettings
+from PySide6.QtWidgets import QWidget
+
+from app import kv_math
+from app.batch_plots import BatchPlots
+from app.kv_calculator import KVCalculatorPanel
+from app.load_generator import LoadGenerator
+from app.main import build_parser, engine_args
+from ipc.messages import Delta
+
+
+def test_kv_math_matches_known_models():
+    qwen = kv_math.ModelShape(*kv_math.PRESETS["Qwen2-7B"])
+    assert kv_math.bytes_per_token(qwen, "bfloat16") == 56 * 1024
+    assert kv_math.bytes_per_token(qwen, "bfloat16") * 1_000_000 / 2**30 == \
+        __import__("pytest").approx(53.4, abs=0.05)
+    # int8: one byte per element plus a float32 scale per token, head, layer, K/V.
+    assert kv_math.bytes_per_token(qwen, "int8") == 2 * 28 * 4 * (128 + 4)
+    shape = kv_math.shape_from_config({"num_hidden_layers": 2, "num_attention_heads": 4,
+                                       "num_key_value_heads": 2, "hidden_size": 64})
+    assert shape == kv_math.ModelShape(2, 2, 16)
+
+
+def test_reserved_vs_paged_waste():
+    c = kv_math.compare([10, 100, 1], max_len=128, block_size=16)
+    assert c.tokens == 111 and c.reserved_slots == 384 and c.paged_slots == 16 + 112 + 16
+    assert c.reserved_waste > 0.7
+    assert c.paged_waste < 0.3
+    a = kv_math.sample_lengths("lognormal", 700, 4096, 50, seed=3)
+    assert a == kv_math.sample_lengths("lognormal", 700, 4096, 50, seed=3)
+    assert all(1 <= x <= 4096 for x in a)
+
+
+def test_kv_calculator_panel(qtbot, tmp_path):
+    panel = KVCalculatorPanel()
+    qtbot.addWidget(panel)
+    panel.source.setCurrentText("Qwen2-7B")
+    panel._source_chosen()
+    panel.dtype.setCurrentText("bfloat16")
+    panel.context.setValue(1_000_000)
+    assert "56.0 KiB" in panel.per_token.text() and "53.4 GiB" in panel.per_token.text()
+    assert "wasted" in panel.comparison.text()
+    cfg = tmp_path / "model"
+    cfg.mkdir()
+    (cfg / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "hidden_size": 64}))
+    panel.source.setCurrentText("Running engine")
+    panel.set_running_model(str(cfg))
+    assert (panel.layers.value(), panel.kv_heads.value(), panel.head_dim.value()) == (2, 2, 16)
+
+
+def test_load_generator_is_seeded_and_capped(qtbot):
+    def run(seed):
+        gen = LoadGenerator()
+        gen.seed, gen.rate, gen.concurrency = seed, 200.0, 3
+        sent = []
+        gen.submitRequested.connect(lambda rid, prompt, sampling: sent.append(
+            (rid, prompt, sampling["max_tokens"])))
+        gen.start()
+        qtbot.waitUntil(lambda: len(sent) == 3 and len(gen.backlog) > 0, timeout=5000)
+        assert len(gen.in_flight) == 3  # never more than the cap
+        finished = Delta(request_id=sent[0][0], token_ids=[], text="", finished=True)
+        gen.on_deltas([finished])
+        qtbot.waitUntil(lambda: len(sent) == 4, timeout=5000)
+        aborted = []
+        gen.abortRequested.connect(aborted.append)
+        gen.stop()
+        assert sorted(aborted) == sorted(gen.in_flight) and not gen.running
+        return [s[1:] for s in sent]
+
+    assert run(7) == run(7)
+
+
+def test_batch_plots_take_history_once_and_window_presets(qtbot):
+    plots = BatchPlots()
+    qtbot.addWidget(plots)
+    t = 1000.0
+    for i in range(1, 50):
+        plots.show_step(step_frame(i, t + i, prefill=8, decode=2))
+        plots.show_step(step_frame(i, t + i))  # the same step again: not counted twice
+    plots.show_blocks(blocks_frame(64, 16, {"a": [1, 2]}))
+    plots.show_stats(stats_frame(t=t + 49))
+    plots.refresh()
+    assert len(plots.steps) == 49
+    x, y = plots.curves["prefill"].xData, plots.curves["prefill"].yData
+    assert len(x) == 49 and y[0] == 8
+    assert "gen 50 tok/s" in plots.summary.text()
+    plots.set_window("Last 30 s")
+    lo, hi = plots.plots["batch"].viewRange()[0]
+    assert hi - lo < 40
+    plots.set_window("All")
+    lo, hi = plots.plots["batch"].viewRange()[0]
+    assert lo <= 1
+
+
+def test_engine_options_pass_through():
+    args = build_parser().parse_args(["--model", "/m", "--block-size", "8", "--kv-dtype",
+                                      "int8", "--no-prefix-caching", "--demo"])
+    assert engine_args(args) == ["--model", "/m", "--block-size", "8", "--kv-dtype", "int8",
+                                 "--no-prefix-caching"]
+    assert build_parser().parse_args(["--attach", "tcp://h:5570"]).attach == "tcp://h:5570"
+
+
+def test_settings_persist_between_runs(qtbot, tmp_path):
+    from app.main_window import MainWindow
+
+    path = str(tmp_path / "s.ini")
+    w = MainWindow(attach="tcp://127.0.0.1:9", settings=QSettings(path, QSettings.Format.IniFormat))
+    qtbot.addWidget(w)
+    w.chat.max_tokens.setValue(77)
+    w.load_panel.rate.setValue(5.5)
+    w.plots.set_window("Last 5 min")
+    w.kv_calculator.context.setValue(8192)
+    w.side_tabs.setCurrentIndex(2)
+    w.shutdown()
+    w2 = MainWindow(attach="tcp://127.0.0.1:9",
+                    settings=QSettings(path, QSettings.Format.IniFormat))
+    qtbot.addWidget(w2)
+    assert w2.chat.max_tokens.value() == 77 and w2.load_panel.rate.value() == 5.5
+    assert w2.plots.window.currentText() == "Last 5 min"
+    assert w2.kv_calculator.context.value() == 8192 and w2.side_tabs.currentIndex() == 2
+    w2.shutdown()
+
+
+def test_void_qt_calls_keep_none_refcount():
+    """PySide6 6.12.0 dropped a reference to None per void call (none_dealloc abort)."""
+    w = QWidget()
+    before = sys.getrefcount(None)
+    for _ in range(20_000):
+        w.setEnabled(True)
+    assert sys.getrefcount(None) >= before - 100

@@ -1,0 +1,43 @@
+"""Status bar: engine facts from stats; alive/idle from heartbeats; dead when they stop."""
+import os
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+from app_fakes import heartbeat, stats_frame
+
+from app.status_bar import DEAD_AFTER_S, EngineStatusBar
+
+
+def test_dead_when_heartbeats_stop(qtbot):
+    now = [100.0]
+    bar = EngineStatusBar(clock=lambda: now[0])
+    qtbot.addWidget(bar)
+    bar.show_stats(stats_frame())
+    assert "cpu" in bar.engine_label.text() and "tiny" in bar.engine_label.text()
+    assert "KV float32" in bar.engine_label.text() and "block 16" in bar.engine_label.text()
+    assert bar.blocks_label.text() == "blocks 60 free / 64 total"
+    bar.show_heartbeat(heartbeat(busy=True))
+    assert bar.state == "busy"
+    now[0] += DEAD_AFTER_S / 2
+    bar.check_heartbeat()
+    assert bar.state == "busy" and bar.restart_button.isHidden()
+    with qtbot.waitSignal(bar.stateChanged) as sig:
+        now[0] += DEAD_AFTER_S
+        bar.check_heartbeat()
+    assert sig.args == ["dead"]
+    assert "DEAD" in bar.state_label.text() and "no heartbeat" in bar.engine_label.text()
+    assert not bar.restart_button.isHidden()
+    with qtbot.waitSignal(bar.restartRequested):
+        bar.restart_button.click()
+    bar.show_heartbeat(heartbeat(busy=False))  # back again
+    assert bar.state == "idle" and bar.restart_button.isHidden()
+    bar.stop_watching()
+
+
+def test_dead_from_real_timer(qtbot):
+    bar = EngineStatusBar()
+    qtbot.addWidget(bar)
+    bar.show_heartbeat(heartbeat())
+    bar.last_heartbeat -= DEAD_AFTER_S + 1  # as if it arrived long ago
+    qtbot.waitUntil(lambda: bar.state == "dead", timeout=2000)
+    bar.stop_watching()

@@ -1,0 +1,147 @@
+"""Wire format, endpoints and the blocks payload, without a server process."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import msgspec
+import numpy as np
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from engine.snapshots import blocks_frame
+from ipc import codec, endpoints
+from ipc import messages as m
+from ipc.client import _prompt_fields, _sampling
+
+
+@pytest.mark.parametrize("cmd", [
+    m.Hello(id=1, protocol=m.PROTOCOL_VERSION, client="t"),
+    m.Submit(id=2, prompt="hi", sampling=m.Sampling(max_tokens=3, stop=["x"])),
+    m.Submit(id=3, messages=[m.ChatMessage("user", "hi")]),
+    m.Submit(id=4, token_ids=[1, 2], request_id="mine"),
+    m.Abort(id=5, request_id="req-1"),
+    m.Reconfigure(id=6, changes={"block_size": 32, "kv_dtype": "float16",
+                                 "num_kv_blocks": None, "enable_prefix_caching": False}),
+    m.Snapshot(id=7), m.Shutdown(id=2**63 - 1)])
+def test_commands_round_trip(cmd):
+    assert codec.decode_command(codec.encode(cmd)) == cmd
+
+
+@pytest.mark.parametrize("payload, code, call_id", [
+    (b"", "malformed", None),
+    (b"\xc1", "malformed", None),
+    (b"\x91" * 100_000 + b"\xc0", "invalid", None),
+    (b"\x83\xa4type\xa5hello\xa2id\x05\xa1x" + b"\x91" * 100_000 + b"\xc0", "invalid", None),
+    (msgspec.msgpack.encode([1, 2]), "invalid", None),
+    (msgspec.msgpack.encode({"id": 4}), "unknown_type", 4),
+    (msgspec.msgpack.encode({"type": "launch", "id": 5}), "unknown_type", 5),
+    (msgspec.msgpack.encode({"type": "abort", "id": 6}), "invalid", 6),
+    (msgspec.msgpack.encode({"type": "abort", "id": 7, "request_id": 3}), "invalid", 7),
+    (msgspec.msgpack.encode({"type": "snapshot", "id": 8, "extra": 1}), "invalid", 8),
+    (msgspec.msgpack.encode({"type": "snapshot", "id": -1}), "invalid", None),
+    (msgspec.msgpack.encode({"type": "submit", "id": 9, "prompt": "x",
+                             "sampling": {"max_token": 3}}), "invalid", 9),
+])
+def test_bad_frames_become_typed_errors(payload, code, call_id):
+    with pytest.raises(codec.BadMessage) as err:
+        codec.decode_command(payload)
+    assert (err.value.code, err.value.call_id) == (code, call_id)
+
+
+def test_replies_round_trip():
+    ok = m.Ok(3, msgspec.Raw(codec.encode(m.SubmitResult("req-0", 5))))
+    back = codec.decode_reply(codec.encode(ok))
+    assert codec.decode_result(back.result, m.SubmitResult) == m.SubmitResult("req-0", 5)
+    deltas = m.Deltas([m.Delta(request_id="r", token_ids=[1], text="é", finished=True,
+                               finish_reason="stop", ttft_s=0.1)])
+    assert codec.decode_reply(codec.encode(deltas)) == deltas
+    err = m.Error(None, "malformed", "bad")
+    assert codec.decode_reply(codec.encode(err)) == err
+
+
+def test_endpoints():
+    assert endpoints.tcp("::1", 5) == "tcp://[::1]:5"
+    assert endpoints.state_endpoint_for("tcp://127.0.0.1:5570") == "tcp://127.0.0.1:5571"
+    assert endpoints.state_endpoint_for("tcp://[::1]:9") == "tcp://[::1]:10"
+    assert endpoints.state_endpoint_for("ipc:///tmp/k") == "ipc:///tmp/k.state"
+    assert endpoints.is_local("tcp://127.0.0.1:1") and endpoints.is_local("tcp://[::1]:1")
+    assert endpoints.is_local("tcp://localhost:1") and endpoints.is_local("ipc:///x")
+    assert not endpoints.is_local("tcp://0.0.0.0:1") and not endpoints.is_local("tcp://*:1")
+    assert not endpoints.is_local("tcp://10.1.2.3:1")
+    with pytest.raises(ValueError):
+        endpoints.split_tcp("tcp://nohost")
+
+
+def test_client_argument_forms():
+    assert _prompt_fields("hi") == {"prompt": "hi"}
+    assert _prompt_fields((1, 2)) == {"token_ids": [1, 2]}
+    assert _prompt_fields([{"role": "user", "content": "x"}]) == \
+        {"messages": [m.ChatMessage("user", "x")]}
+    assert _sampling(SamplingParams(max_tokens=7, stop=["a"])) == \
+        m.Sampling(max_tokens=7, stop=["a"])
+    assert _sampling({"temperature": 1}) == m.Sampling(temperature=1.0)
+    with pytest.raises(ValueError):
+        _sampling({"max_tokens": "many"})
+
+
+def fake_engine(num_blocks=64, block_size=4):
+    """Just what blocks_frame reads, with two requests sharing a prefix and one cached block."""
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=True)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    seqs = [Sequence("done", list(range(100, 109)), SamplingParams(max_tokens=4)),
+            Sequence("a", list(range(10)), SamplingParams(max_tokens=20)),
+            Sequence("b", list(range(10)) + [77, 78], SamplingParams(max_tokens=30)),
+            Sequence("w", [5, 5, 5], SamplingParams())]
+    for seq in seqs[:3]:
+        sched.add(seq)
+        sched.schedule()
+        seq.num_computed_tokens = seq.num_tokens  # as the engine's step would
+    sched.finish(seqs[0], "stop")
+    sched.add(seqs[3])
+    return SimpleNamespace(block_manager=bm, scheduler=sched, max_model_len=128, num_steps=3)
+
+
+def test_blocks_frame_agrees_with_the_block_objects():
+    engine = fake_engine()
+    f = msgspec.msgpack.decode(codec.encode(blocks_frame(engine, seq=4)), type=m.BlocksFrame)
+    bm = engine.block_manager
+    flags, ref, owner = f.array("flags"), f.array("ref_count"), f.array("owner")
+    assert f.request_ids == ["a", "b", "w"] and f.request_running == [True, True, False]
+    for b in bm.blocks:
+        state = flags[b.block_id] & m.BLOCK_STATE_MASK
+        want = m.BLOCK_USED if b.ref_count else \
+            m.BLOCK_CACHED if b.block_id in bm.cached_free else m.BLOCK_FREE
+        assert state == want and ref[b.block_id] == b.ref_count
+        assert bool(flags[b.block_id] & m.BLOCK_HAS_HASH) == (b.hash is not None)
+    a, b = f.block_table("a"), f.block_table("b")
+    assert a == bm_table(engine, "a") and b == bm_table(engine, "b") and f.block_table("w") == []
+    assert a[:2] == b[:2] and ref[a[0]] == 2 and owner[a[0]] == 0 and owner[b[2]] == 1
+    assert f.array("filled")[a].tolist() == [4, 4, 2] and f.array("filled")[b].tolist() == [4] * 3
+    assert (f.used, f.cached, f.free) == (4, 2, 58)  # "done": 2 full blocks cached, 1 freed
+    assert f.internal_waste_slots == 2 and f.tokens_stored == 14 + 8
+    assert f.reserved_max_len_blocks == 2 * 32
+    assert f.reserved_request_blocks == -(-30 // 4) + -(-42 // 4)
+
+
+def bm_table(engine, rid):
+    return next(s.block_table for s in engine.scheduler.running if s.request_id == rid)
+
+
+def test_blocks_frame_at_32k_blocks_is_compact():
+    engine = fake_engine(num_blocks=32768, block_size=16)
+    payload = codec.encode(blocks_frame(engine, seq=1))
+    assert len(payload) < 32768 * 10 + 4096  # 9 bytes a block plus the small parts
+    f = codec.decode_state("blocks", payload)
+    assert len(f.array("owner")) == 32768 and np.count_nonzero(f.array("ref_count")) == f.used == 2
+
+
+def test_ipc_imports_neither_torch_nor_the_engine():
+    code = ("import sys, ipc, ipc.client, ipc.codec, ipc.endpoints; "
+            "bad = [n for n in ('torch', 'engine', 'PySide6') if n in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
