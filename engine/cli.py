@@ -132,7 +132,8 @@ def chat_prompt(tokenizer, text: str) -> list[int]:
 
 
 DELEGATED = {"bench": "benchmarks.bench", "kv-accuracy": "benchmarks.kv_accuracy",
-             "serve": "engine.serve_cli"}
+             "serve": "engine.serve_cli", "trace": "engine.trace_cli",
+             "fragsim": "engine.fragsim_cli"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,3 +4,23 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _app_leak_check(request):
+    """App tests (modules test_app_*) must not leave threads, running QThreads or active
+    QTimers behind once their widgets are closed; see tests/app_leaks.py."""
+    if not request.module.__name__.rpartition(".")[2].startswith("test_app_"):
+        yield
+        return
+    import app_leaks
+
+    request.getfixturevalue("qapp")  # the QApplication exists before the snapshot
+    before = app_leaks.Snapshot()
+    yield
+    leaks = app_leaks.check(before)
+    if leaks:
+        pytest.fail("the test left these running: " + ", ".join(leaks), pytrace=False)

@@ -6,14 +6,60 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 import threading
 
+import numpy as np
 from app_fakes import active_timers, leaked_threads
 from PySide6.QtCore import QSettings, Qt
 from tiny_models import save_tiny_model
 
 from app import colors
-from app.block_grid import grid_shape
+from app.block_grid import describe_block, grid_shape
 from app.main_window import MainWindow
 from ipc.messages import BLOCK_STATE_MASK, BLOCK_USED
+
+
+LUT = colors.build_lut()
+
+
+def check_cells(window, frame):
+    """Compare every used cell of the drawn map with the frame: the owner array names the
+    request, whose colour (or the shared colour), fill level and dimming the pixel must have.
+    Returns (used cells, distinct owners, mismatches)."""
+    bm = window.block_map
+    bm.refresh()
+    img = bm.rendered_image()
+    cols = bm.shape[1]
+    state = frame.array("flags") & BLOCK_STATE_MASK
+    owner = frame.array("owner")
+    ref = frame.array("ref_count")
+    levels = colors.fill_level(frame.array("filled"), frame.block_size)
+    mine = set(frame.block_table(bm.selected)) if bm.selected in frame.request_ids else None
+    used = np.flatnonzero(state == BLOCK_USED)
+    bad, owners = [], set()
+    for b in used:
+        o = int(owner[b])
+        if not 0 <= o < len(frame.request_ids):
+            bad.append((int(b), "owner", o))
+            continue
+        rid = frame.request_ids[o]
+        owners.add(rid)
+        slot = colors.SLOT_SHARED if ref[b] > 1 else colors.request_slot(rid)
+        idx = slot * colors.FILL_LEVELS + int(levels[b])
+        if mine is not None and int(b) not in mine:
+            idx += colors.DIM_OFFSET
+        want = tuple(int(x) for x in LUT[idx][:3])
+        got = img.pixelColor(int(b) % cols, int(b) // cols).getRgb()[:3]
+        if got != want:
+            bad.append((int(b), rid, got, want))
+        if ref[b] == 1 and f"owner {rid}" not in describe_block(frame, int(b)):
+            bad.append((int(b), rid, "hover"))
+    return len(used), len(owners), bad
+
+
+def shown_table(window) -> list[int]:
+    """The block table widget's physical column, after a label refresh."""
+    bm = window.block_map
+    bm.refresh_labels()
+    return [int(bm.table.item(r, 1).text()) for r in range(bm.table.rowCount())]
 
 
 def test_window_with_real_engine(qtbot, tmp_path):
@@ -25,27 +71,19 @@ def test_window_with_real_engine(qtbot, tmp_path):
                                      "--block-size", "4", "--kv-cache-bytes", "262144"],
                         settings=settings)
     qtbot.addWidget(window)
-    seen = {"in_use": 0, "pixel_ok": 0}
+    seen = {"in_use": 0, "frames_checked": 0, "cells_checked": 0, "multi_owner": 0, "bad": []}
 
     def watch(topic, frame):
-        turn = next(iter(window.chat.turns.values()), None)
-        if topic != "blocks" or turn is None or turn.request_id not in frame.request_ids:
+        if topic != "blocks" or window.block_map.frame is not frame:
             return
-        table = frame.block_table(turn.request_id)
-        if not table:
+        used, owners, bad = check_cells(window, frame)
+        if used == 0:
             return
         seen["in_use"] += 1
-        window.block_map.refresh()  # what the next 30 Hz tick would draw
-        b = table[0]
-        cols = window.block_map.shape[1]
-        pixel = window.block_map.rendered_image().pixelColor(b % cols, b // cols)
-        state = frame.array("flags")[b] & BLOCK_STATE_MASK
-        level = colors.fill_level(frame.array("filled")[b:b + 1], frame.block_size)[0]
-        want = colors.build_lut()[colors.request_slot(turn.request_id) * colors.FILL_LEVELS
-                                  + level][:3]
-        if state == BLOCK_USED and frame.array("ref_count")[b] == 1 and \
-                pixel.getRgb()[:3] == tuple(int(x) for x in want):
-            seen["pixel_ok"] += 1
+        seen["frames_checked"] += 1
+        seen["cells_checked"] += used
+        seen["multi_owner"] += owners >= 2
+        seen["bad"] += bad[:5]
 
     window.bridge.stateReceived.connect(watch)
     try:
@@ -64,7 +102,51 @@ def test_window_with_real_engine(qtbot, tmp_path):
         assert turn.num_output > 0 and turn.text
         assert turn.text in window.chat.conversation().toPlainText()
         assert "TTFT" in window.chat.conversation().toPlainText()  # the stats line
-        assert seen["in_use"] > 0 and seen["pixel_ok"] > 0, (seen, turn.num_output)
+        assert seen["in_use"] > 0 and not seen["bad"], (seen, turn.num_output)
+
+        # Two chats at once: every used cell is its owner's colour, and selecting a request
+        # (from its chat, or by clicking one of its blocks) shows the engine's block table.
+        window.chat.max_tokens.setValue(120)
+        rids = []
+        for prompt in ("first parallel chat", "second, a different prompt"):
+            window.chat.new_conversation()
+            window.chat.input.setPlainText(prompt)
+            rids.append(window.chat.send())
+        start_step = window.block_map.frame.step
+
+        def both_hold_blocks():
+            f = window.block_map.frame
+            return f.step >= start_step + 3 and all(
+                r in f.request_ids and len(f.block_table(r)) >= 2 for r in rids)
+
+        qtbot.waitUntil(both_hold_blocks, timeout=60_000)
+        frame = window.block_map.frame  # no events run between here and the checks
+        used, owners, bad = check_cells(window, frame)
+        assert used > 0 and owners >= 2 and not bad, (used, owners, bad)
+        for i, rid in enumerate(frame.request_ids):  # the frame agrees with itself
+            for b in frame.block_table(rid):
+                assert frame.array("owner")[b] == i or frame.array("ref_count")[b] > 1
+
+        window.chat.select_request(rids[0])  # what clicking a reply does
+        assert window.block_map.selected == rids[0]
+        assert shown_table(window) == window.block_map.frame.block_table(rids[0])
+        used, owners, bad = check_cells(window, window.block_map.frame)  # others dimmed
+        assert not bad, bad
+
+        bm = window.block_map
+        target = bm.frame.block_table(rids[1])[-1]
+        pos = bm.plot.mapFromScene(bm.block_scene_pos(target))
+        qtbot.mouseClick(bm.plot.viewport(), Qt.MouseButton.LeftButton, pos=pos)
+        assert bm.selected == rids[1]
+        assert shown_table(window) == bm.frame.block_table(rids[1])
+        assert str(target) in bm.selection_label.text() or \
+            str(target) in [bm.table.item(r, 1).text() for r in range(bm.table.rowCount())]
+        for rid in rids:
+            turn2 = window.chat.turns[rid]
+            qtbot.waitUntil(lambda t=turn2: t.done, timeout=60_000)
+            assert turn2.phase == "finished", turn2.error
+        assert not seen["bad"], seen["bad"]
+        assert seen["multi_owner"] > 0, seen
 
         # After the reply: nothing is in use, the blocks are free or cached.
         qtbot.waitUntil(lambda: window.block_map.frame is not None
