@@ -16,7 +16,6 @@ from app.block_grid import describe_block, grid_shape
 from app.main_window import MainWindow
 from ipc.messages import BLOCK_STATE_MASK, BLOCK_USED
 
-
 LUT = colors.build_lut()
 
 
@@ -106,7 +105,10 @@ def test_window_with_real_engine(qtbot, tmp_path):
 
         # Two chats at once: every used cell is its owner's colour, and selecting a request
         # (from its chat, or by clicking one of its blocks) shows the engine's block table.
+        # The random tiny model may stop early at its EOS; these two must overlap.
         window.chat.max_tokens.setValue(120)
+        window.chat.sampling = lambda: {"max_tokens": 120, "temperature": 0.0,
+                                        "ignore_eos": True}
         rids = []
         for prompt in ("first parallel chat", "second, a different prompt"):
             window.chat.new_conversation()
