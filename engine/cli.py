@@ -61,10 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--raw", action="store_true", help="no chat template: complete the text")
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    gen.add_argument("--trace", metavar="PATH", help="record the session to a JSONL trace")
+    gen.add_argument("--no-prompts", action="store_true",
+                     help="with --trace: record prompt lengths, not the prompt token ids")
     add_engine_options(gen)
     sub.add_parser("bench", help="engine vs Hugging Face generate on a mixed workload")
     sub.add_parser("kv-accuracy", help="accuracy of each KV dtype against float32 KV")
     sub.add_parser("serve", help="headless engine process behind ZeroMQ")
+    sub.add_parser("trace", help="replay, compare and export recorded session traces")
+    sub.add_parser("fragsim", help="reserved-max-length vs paged KV waste experiment")
     sub.add_parser("gui", help="the desktop app (the default with no command; --attach URL)")
     calc = sub.add_parser("kv-calc", help="KV bytes per token and in total for a model config")
     calc.add_argument("--config", required=True,
@@ -100,20 +105,28 @@ def cmd_generate(args) -> int:
     from engine import SamplingParams
     from engine.llm_engine import LLMEngine
 
+    engine = None
     try:
         engine = LLMEngine(engine_config_from_args(args))
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
                                 stop=args.stop)
         prompt = args.prompt if args.raw else chat_prompt(engine.tokenizer, args.prompt)
+        if args.trace:
+            engine.start_trace(args.trace, include_prompts=not args.no_prompts)
         request_id = engine.add_request(prompt, params)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:
+        if engine is not None:
+            engine.stop_trace()
         print(f"kvscope: error: {exc}", file=sys.stderr)
         return 2
-    while engine.has_unfinished():
-        for delta in engine.step():
-            if not args.json:
-                print(delta.text, end="", flush=True)
+    try:
+        while engine.has_unfinished():
+            for delta in engine.step():
+                if not args.json:
+                    print(delta.text, end="", flush=True)
+    finally:
+        engine.stop_trace()
     output = engine.pop_output(request_id)
     if args.json:
         print(json.dumps({"request_id": output.request_id, "text": output.text,

@@ -51,6 +51,7 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self._ids = itertools.count()
         self._rng = make_generator(config.seed)
+        self.trace = None  # an engine.trace_recorder.TraceRecorder while recording
         self._build_pool()
 
     # -- pool ------------------------------------------------------------------------------
@@ -100,6 +101,8 @@ class LLMEngine:
             self.config = old
             self._build_pool()
             raise
+        if self.trace is not None:
+            self.trace.on_reconfigure(self, live)
         for seq in live:
             seq.reset_for_recompute()
             self.scheduler.add(seq)
@@ -131,6 +134,8 @@ class LLMEngine:
         seq.generator = make_generator(seed)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
+        if self.trace is not None:
+            self.trace.on_arrival(seq)
         return request_id
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -162,6 +167,8 @@ class LLMEngine:
         seq = self.requests.get(request_id)
         if seq is None or seq.is_finished:
             return False
+        if self.trace is not None:
+            self.trace.on_abort(seq)
         self.scheduler.finish(seq, "abort")
         return True
 
@@ -175,8 +182,28 @@ class LLMEngine:
             del self.requests[request_id]
         return self.output_of(seq)
 
+    # -- tracing ---------------------------------------------------------------------------
+    def start_trace(self, path, include_prompts: bool = True):
+        """Record this session to a new JSONL trace at path (replaced if it exists; lines are
+        appended and flushed as they happen, see engine/trace_recorder.py)."""
+        from engine.trace_recorder import TraceRecorder
+
+        self.stop_trace()
+        self.trace = TraceRecorder(path, self, include_prompts)
+        return self.trace
+
+    def stop_trace(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
+            self.trace = None
+
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[TokenDelta]:
+        if self.trace is not None:
+            return self.trace.record_step(self, self._step)
+        return self._step()
+
+    def _step(self) -> list[TokenDelta]:
         batch = self.scheduler.schedule()
         deltas = [TokenDelta(s.request_id, [], "", True, s.finish_reason)
                   for s in self._drain_capacity_finishes()]

@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="larger command messages are dropped by ZeroMQ (ZMQ_MAXMSGSIZE)")
     p.add_argument("--state-hz", type=float, default=30.0,
                    help="most state frames per second and topic (default 30)")
+    p.add_argument("--trace", metavar="PATH", help="record the session to a JSONL trace")
+    p.add_argument("--no-prompts", action="store_true",
+                   help="with --trace: record prompt lengths, not the prompt token ids")
     add_engine_options(p)
     return p
 
@@ -83,9 +86,11 @@ def main(argv: list[str]) -> int:
     try:
         with contextlib.redirect_stdout(sys.stderr):  # stdout is for the ready line only
             engine = LLMEngine(engine_config_from_args(args))
+        if args.trace:
+            engine.start_trace(args.trace, include_prompts=not args.no_prompts)
         server = EngineServer(engine, *eps, max_message_bytes=args.max_message_bytes,
                               state_hz=args.state_hz)
-    except (ValueError, FileNotFoundError, zmq.ZMQError) as exc:
+    except (ValueError, OSError, zmq.ZMQError) as exc:
         print(f"kvscope serve: error: {exc}", file=sys.stderr)
         return 2
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -95,6 +100,7 @@ def main(argv: list[str]) -> int:
     while not server.wait(0.25):  # short waits so the signal handlers get to run
         pass
     server.close()
+    engine.stop_trace()
     return 1 if server.failed else 0
 
 

@@ -20,6 +20,7 @@ import time
 import traceback
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
 import zmq
@@ -336,6 +337,24 @@ class EngineServer:
     def _cmd_shutdown(self, who, cmd: m.Shutdown) -> m.ShutdownResult:
         self.stopping = True
         return m.ShutdownResult(self._abort_all())
+
+    def _cmd_tracestart(self, who, cmd: m.TraceStart) -> m.TraceResult:
+        path = Path(cmd.path)
+        if path.exists():
+            raise CommandError(m.REFUSED, f"{cmd.path} exists; a trace starts a new file")
+        try:
+            trace = self.engine.start_trace(path, cmd.include_prompts)
+        except OSError as exc:
+            raise CommandError(m.REFUSED, f"cannot record to {cmd.path}: {exc}") from None
+        return m.TraceResult(True, str(trace.path), path.stat().st_size)
+
+    def _cmd_tracestop(self, who, cmd: m.TraceStop) -> m.TraceResult:
+        trace = self.engine.trace
+        self.engine.stop_trace()
+        if trace is None:
+            return m.TraceResult(False)
+        size = trace.path.stat().st_size if trace.path.exists() else 0
+        return m.TraceResult(False, str(trace.path), size)
 
     # -- state -----------------------------------------------------------------------------
     def _maybe_publish(self) -> None:

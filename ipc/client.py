@@ -208,6 +208,15 @@ class EngineClient:
     def shutdown(self, timeout: float | None = None) -> m.ShutdownResult:
         return self._call(m.Shutdown(id=0), m.ShutdownResult, timeout)
 
+    def trace_start(self, path: str, include_prompts: bool = True,
+                    timeout: float | None = None) -> m.TraceResult:
+        """Record the session to a new trace file; EngineError("refused") if it can't."""
+        return self._call(m.TraceStart(id=0, path=path, include_prompts=include_prompts),
+                          m.TraceResult, timeout)
+
+    def trace_stop(self, timeout: float | None = None) -> m.TraceResult:
+        return self._call(m.TraceStop(id=0), m.TraceResult, timeout)
+
     def _call(self, cmd, result_type: type, timeout: float | None, on_ok=None):
         self._check_alive()
         cmd.id = next(self._ids)

@@ -76,7 +76,18 @@ class Shutdown(_Command, tag="shutdown"):
     pass
 
 
-Command = Hello | Submit | Abort | Reconfigure | Snapshot | Shutdown
+class TraceStart(_Command, tag="trace_start"):
+    """Record the session to a new JSONL trace at path (on the engine's machine); an
+    existing file is refused. include_prompts=False records prompt lengths only."""
+    path: str
+    include_prompts: bool = True
+
+
+class TraceStop(_Command, tag="trace_stop"):
+    pass
+
+
+Command = Hello | Submit | Abort | Reconfigure | Snapshot | Shutdown | TraceStart | TraceStop
 
 
 # -- engine -> client on the command channel ----------------------------------------------
@@ -140,6 +151,12 @@ class ReconfigureResult(msgspec.Struct):
 
 class ShutdownResult(msgspec.Struct):
     aborted: list[str]
+
+
+class TraceResult(msgspec.Struct):
+    recording: bool  # whether a trace is being recorded after this command
+    path: str | None = None  # the trace started or stopped (None: there was none)
+    bytes: int = 0  # its size on disk now
 
 
 # Error codes (Error.code).

@@ -8,7 +8,7 @@ import sys
 import pytest
 from tiny_models import save_tiny_model
 
-COMMANDS = ["generate", "serve", "bench", "kv-accuracy", "kv-calc", "gui"]
+COMMANDS = ["generate", "serve", "bench", "kv-accuracy", "kv-calc", "gui", "trace", "fragsim"]
 
 
 def kvscope(*args, timeout=120):
