@@ -20,6 +20,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from test_block_manager import check_invariants as check_pool
 
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
@@ -28,42 +29,6 @@ from engine.sequence import Sequence, SequenceStatus
 
 MAX_DRAIN_STEPS = 10_000
 _ids = itertools.count()
-
-
-def check_pool(bm: BlockManager, live: list[Sequence]) -> None:
-    """Partition of the pool, ref counts = table memberships, only registered blocks shared."""
-    n = bm.num_blocks
-    free, cached = list(bm.free_blocks), list(bm.cached_free)
-    in_use = [b.block_id for b in bm.blocks if b.ref_count > 0]
-    assert len(free) == len(set(free)), f"duplicate in free_blocks {free}"
-    assert sorted(free + cached + in_use) == list(range(n)), \
-        f"free {free} / cached {cached} / in use {in_use} do not partition range({n})"
-    for b in free:
-        assert bm.blocks[b].hash is None, f"free block {b} still has a hash"
-    for b in cached:
-        h = bm.blocks[b].hash
-        assert h is not None and bm.hash_to_block.get(h) == b, \
-            f"cached-free block {b} is not registered under its hash"
-    for h, b in bm.hash_to_block.items():
-        assert bm.blocks[b].hash == h
-    holders: dict[int, list[tuple[Sequence, int]]] = {}
-    for seq in live:
-        assert len(seq.block_table) == len(set(seq.block_table)), "a table repeats a block"
-        for i, b in enumerate(seq.block_table):
-            holders.setdefault(b, []).append((seq, i))
-    for block in bm.blocks:
-        held = holders.get(block.block_id, [])
-        assert block.ref_count == len(held), \
-            f"block {block.block_id}: ref_count {block.ref_count}, in {len(held)} live tables"
-        if len(held) > 1:
-            assert block.hash is not None, f"unregistered block {block.block_id} is shared"
-        if block.hash is not None:
-            for seq, i in held:
-                end = (i + 1) * bm.block_size
-                assert seq.num_computed_tokens >= end, \
-                    f"registered block {block.block_id} not computed in {seq.request_id}"
-                assert block.token_ids == tuple(seq.token_ids[i * bm.block_size:end])
-                assert bm.block_hash(seq, i) == block.hash
 
 
 def prefix_keys(seq: Sequence, upto: int) -> list[int]:
