@@ -61,6 +61,7 @@ class CommandWorker(QObject):
     reconfigured = Signal(object)  # the config now in force
     reconfigureRefused = Signal(str)
     commandFailed = Signal(str, str)  # command, message
+    traceChanged = Signal(object)  # ipc.messages.TraceResult
 
     def __init__(self, mailbox: Mailbox) -> None:
         super().__init__()
@@ -114,6 +115,20 @@ class CommandWorker(QObject):
         except Exception as exc:  # noqa: BLE001
             self.reconfigureRefused.emit(_message(exc))
 
+    @Slot(str, bool)
+    def trace_start(self, path: str, include_prompts: bool) -> None:
+        try:
+            self.traceChanged.emit(self.client.trace_start(path, include_prompts))
+        except Exception as exc:  # noqa: BLE001
+            self.commandFailed.emit("trace_start", _message(exc))
+
+    @Slot()
+    def trace_stop(self) -> None:
+        try:
+            self.traceChanged.emit(self.client.trace_stop())
+        except Exception as exc:  # noqa: BLE001
+            self.commandFailed.emit("trace_stop", _message(exc))
+
     @Slot()
     def shutdown(self) -> None:
         try:
@@ -139,12 +154,15 @@ class EngineBridge(QObject):
     reconfigured = Signal(object)
     reconfigureRefused = Signal(str)
     commandFailed = Signal(str, str)
+    traceChanged = Signal(object)  # ipc.messages.TraceResult: recording or not, path, bytes
 
     _helloRequested = Signal()
     _submitRequested = Signal(str, object, object)
     _abortRequested = Signal(str)
     _reconfigureRequested = Signal(object)
     _shutdownRequested = Signal()
+    _traceStartRequested = Signal(str, bool)
+    _traceStopRequested = Signal()
 
     def __init__(self, parent: QObject | None = None, *, heartbeat_timeout: float = 3.0,
                  client_factory=EngineClient) -> None:
@@ -160,13 +178,15 @@ class EngineBridge(QObject):
         self._worker = CommandWorker(self.mailbox)
         self._worker.moveToThread(self._thread)
         for name in ("helloReceived", "submitted", "submitFailed", "reconfigured",
-                     "reconfigureRefused", "commandFailed"):
+                     "reconfigureRefused", "commandFailed", "traceChanged"):
             getattr(self._worker, name).connect(getattr(self, name))
         self._helloRequested.connect(self._worker.hello)
         self._submitRequested.connect(self._worker.submit)
         self._abortRequested.connect(self._worker.abort)
         self._reconfigureRequested.connect(self._worker.reconfigure)
         self._shutdownRequested.connect(self._worker.shutdown)
+        self._traceStartRequested.connect(self._worker.trace_start)
+        self._traceStopRequested.connect(self._worker.trace_stop)
         self._thread.start()
         self._timer = QTimer(self)
         self._timer.setInterval(DRAIN_INTERVAL_MS)
@@ -206,6 +226,18 @@ class EngineBridge(QObject):
             self.reconfigureRefused.emit("no engine is connected")
             return
         self._reconfigureRequested.emit(dict(changes))
+
+    def trace_start(self, path: str, include_prompts: bool = True) -> None:
+        if self.client is None:
+            self.commandFailed.emit("trace_start", "no engine is connected")
+            return
+        self._traceStartRequested.emit(path, include_prompts)
+
+    def trace_stop(self) -> None:
+        if self.client is None:
+            self.commandFailed.emit("trace_stop", "no engine is connected")
+            return
+        self._traceStopRequested.emit()
 
     def shutdown_engine(self) -> None:
         if self.client is not None:

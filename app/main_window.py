@@ -17,6 +17,7 @@ from app.engine_process import EngineProcess
 from app.kv_calculator import KVCalculatorPanel
 from app.load_generator import LoadGenerator, LoadGeneratorPanel
 from app.status_bar import EngineStatusBar
+from app.trace_panel import TracePanel, engine_args_from
 
 REPAINT_MS = 33
 LABELS_MS = 250
@@ -45,6 +46,7 @@ class MainWindow(QMainWindow):
         self.load = LoadGenerator(self)
         self.load_panel = LoadGeneratorPanel(self.load)
         self.kv_calculator = KVCalculatorPanel()
+        self.trace_panel = TracePanel(self.bridge, self.replay_engine_args)
         self.status = EngineStatusBar(self)
         self.setStatusBar(self.status)
 
@@ -62,6 +64,7 @@ class MainWindow(QMainWindow):
         self.side_tabs.addTab(self.controls, "Engine")
         self.side_tabs.addTab(self.load_panel, "Load")
         self.side_tabs.addTab(self.kv_calculator, "KV calculator")
+        self.side_tabs.addTab(self.trace_panel, "Trace")
         self.side_dock = QDockWidget("Controls", self)
         self.side_dock.setObjectName("controlsDock")
         self.side_dock.setWidget(self.side_tabs)
@@ -148,6 +151,7 @@ class MainWindow(QMainWindow):
         self.repaint_timer.stop()
         self.labels_timer.stop()
         self.status.stop_watching()
+        self.trace_panel.stop()
         self.bridge.close()
         if self.engine is not None:
             self.engine.stop()
@@ -163,6 +167,12 @@ class MainWindow(QMainWindow):
         self.kv_calculator.set_running_model(str(hello.config.get("model", "")))
         self.status.start_watching()
         self.engineReady.emit(hello)
+
+    def replay_engine_args(self) -> list[str]:
+        """The Engine tab's settings (as the controls show them) as replay CLI options."""
+        config = self.hello.config if self.hello is not None else {}
+        values = self.controls.values() if self.controls.config else {}
+        return engine_args_from(values, config)
 
     def on_state(self, topic: str, frame) -> None:
         if topic == "blocks":
