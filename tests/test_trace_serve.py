@@ -43,3 +43,36 @@ def test_serve_records_a_trace_and_starts_and_stops_on_command(tmp_path):
     assert trace2.header.include_prompts is True
     (arrival2,) = trace2.of_type(Arrival)
     assert arrival2.prompt == [7, 8, 9] and outputs_of(trace2)[arrival2.id] == got2.token_ids
+
+
+def test_kill_9_mid_generation_keeps_every_flushed_line(tmp_path):
+    """A SIGKILL loses at most the line being written: the trace still reads, with the
+    arrival, steps and tokens up to the kill."""
+    import signal
+    import time
+
+    from engine.trace_schema import Step, Token
+
+    model = save_chat_model(tmp_path / "chat", seed=2)
+    path = tmp_path / "killed.jsonl"
+    server = Server(model, tmp_path / "serve.log", "--block-size", "4", "--num-kv-blocks", "64",
+                    "--trace", str(path))
+    client = EngineClient(server.command, server.state, timeout=30, heartbeat_timeout=15)
+    try:
+        rid = client.submit([3, 4, 5], {"max_tokens": 400, "ignore_eos": True})
+        deadline = time.monotonic() + 30
+        seen = 0
+        for delta in client.stream(rid, timeout=30):
+            seen += len(delta.token_ids)
+            if seen >= 10 or time.monotonic() > deadline:
+                break
+        server.signal(signal.SIGKILL)
+        server.proc.wait(10)
+    finally:
+        client.close()
+        server.stop()
+    trace = read_trace(path)
+    (arrival,) = trace.of_type(Arrival)
+    assert arrival.id == rid and not trace.of_type(Finish)
+    assert len(trace.of_type(Step)) >= 10
+    assert sum(len(t.tokens) for t in trace.of_type(Token)) >= 10
