@@ -156,7 +156,7 @@ class KVCalculatorPanel(QWidget):
                                          self.requests.value(), self.seed.value())
         c = kv_math.compare(lengths, ctx, int(self.block_size.currentText()))
         self.comparison.setText(
-            f"{len(lengths)} requests, {c.tokens:,} tokens in use<br>"
+            f"{len(lengths)} requests, {c.used_slots:,} tokens in use<br>"
             f"reserve {ctx:,} each: <b>{human_bytes(c.reserved_slots * per)}</b>, "
             f"<b>{100 * c.reserved_waste:.1f} %</b> wasted<br>"
             f"paged: <b>{human_bytes(c.paged_slots * per)}</b>, "

@@ -8,6 +8,9 @@ import math
 import random
 from dataclasses import dataclass
 
+# Pure Python and torch-free (the engine package loads lazily): the one allowed engine import.
+from engine.fragsim import FragResult, simulate
+
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "fp8": 1}
 QUANTIZED = {"int8", "fp8"}
 SCALE_BYTES = 4
@@ -66,21 +69,6 @@ def sample_lengths(dist: str, mean: int, max_len: int, n: int, seed: int) -> lis
     return out
 
 
-@dataclass(frozen=True)
-class Comparison:
-    tokens: int  # actually used
-    reserved_slots: int  # max_len per request
-    paged_slots: int  # whole blocks per request
-
-    @property
-    def reserved_waste(self) -> float:
-        return 1 - self.tokens / self.reserved_slots if self.reserved_slots else 0.0
-
-    @property
-    def paged_waste(self) -> float:
-        return 1 - self.tokens / self.paged_slots if self.paged_slots else 0.0
-
-
-def compare(lengths: list[int], max_len: int, block_size: int) -> Comparison:
-    paged = sum(-(-n // block_size) * block_size for n in lengths)
-    return Comparison(sum(lengths), max_len * len(lengths), paged)
+def compare(lengths: list[int], max_len: int, block_size: int) -> FragResult:
+    """Reserved-max-length vs paged waste: the very code behind `kvscope fragsim`."""
+    return simulate(lengths, block_size, max_len)

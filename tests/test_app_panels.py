@@ -30,9 +30,26 @@ def test_kv_math_matches_known_models():
     assert shape == kv_math.ModelShape(2, 2, 16)
 
 
+def test_kv_math_uses_fragsim_without_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, app.kv_math; print('torch' in sys.modules, 'PySide6' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_fragsim_defaults_through_the_app_code():
+    from engine.fragsim import random_lengths
+
+    c = kv_math.compare(random_lengths(1000, 50, 2048, seed=42), max_len=2048, block_size=16)
+    assert (round(100 * c.reserved_waste, 1), round(100 * c.paged_waste, 1)) == (48.7, 0.7)
+
+
 def test_reserved_vs_paged_waste():
     c = kv_math.compare([10, 100, 1], max_len=128, block_size=16)
-    assert c.tokens == 111 and c.reserved_slots == 384 and c.paged_slots == 16 + 112 + 16
+    assert c.used_slots == 111 and c.reserved_slots == 384 and c.paged_slots == 16 + 112 + 16
     assert c.reserved_waste > 0.7
     assert c.paged_waste < 0.3
     a = kv_math.sample_lengths("lognormal", 700, 4096, 50, seed=3)
