@@ -18,6 +18,10 @@ class TraceOverlayPlot(QWidget):
         self.kv_plot = self.view.addPlot(row=1, col=0)
         self.kv_plot.setLabel("left", "KV usage (%)")
         self.kv_plot.setLabel("bottom", "time since start (s)")
+        # Percent and seconds read better as plain numbers than with an "(x0.001)" SI factor.
+        for plot in (self.tokens_plot, self.kv_plot):
+            for side in ("left", "bottom"):
+                plot.getAxis(side).enableAutoSIPrefix(False)
         self.kv_plot.setXLink(self.tokens_plot)
         self.tokens_plot.addLegend(offset=(-10, 10))
         self.curves: dict[tuple[str, str], pg.PlotDataItem] = {}
