@@ -151,7 +151,7 @@ DELEGATED = {"bench": "benchmarks.bench", "kv-accuracy": "benchmarks.kv_accuracy
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] == "gui" or argv[0].startswith("--attach"):
+    if not argv or argv[0] == "gui" or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         # The desktop app runs in a process without torch; it starts (or attaches to) an
         # engine process of its own.
         from app.main import main as gui_main
