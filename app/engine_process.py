@@ -14,6 +14,16 @@ from pathlib import Path
 from PySide6.QtCore import QObject, QProcess, QProcessEnvironment, Signal
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def engine_qprocess(parent: QObject) -> QProcess:
+    """A QProcess whose Python finds this checkout's engine (also when it is not installed)."""
+    proc = QProcess(parent)
+    env = QProcessEnvironment.systemEnvironment()
+    path = env.value("PYTHONPATH", "")
+    env.insert("PYTHONPATH", os.pathsep.join(p for p in (str(REPO_ROOT), path) if p))
+    proc.setProcessEnvironment(env)
+    return proc
 STDERR_LINES = 40
 
 
@@ -50,11 +60,7 @@ class EngineProcess(QObject):
         self.stop()
         self.endpoints, self._stdout, self._stderr, self._stopping = None, b"", b"", False
         self.stderr_tail.clear()
-        proc = QProcess(self)
-        env = QProcessEnvironment.systemEnvironment()
-        path = env.value("PYTHONPATH", "")
-        env.insert("PYTHONPATH", os.pathsep.join(p for p in (str(REPO_ROOT), path) if p))
-        proc.setProcessEnvironment(env)
+        proc = engine_qprocess(self)
         proc.readyReadStandardOutput.connect(self._read_stdout)
         proc.readyReadStandardError.connect(self._read_stderr)
         proc.finished.connect(self._finished)

@@ -3,12 +3,11 @@ QProcess: the GUI stays live), overlay the two runs and show `kvscope trace comp
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
-from PySide6.QtCore import QProcess, QProcessEnvironment, Signal
+from PySide6.QtCore import QProcess, Signal
 from PySide6.QtWidgets import (
     QFileDialog,
     QHBoxLayout,
@@ -21,7 +20,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.engine_process import REPO_ROOT
+from app.engine_process import engine_qprocess
 from app.trace_file import TraceFileError, read_series
 from app.trace_plot import TraceOverlayPlot
 
@@ -160,11 +159,7 @@ class TraceReplayPanel(QWidget):
 
     def _start(self, stage: str, argv: list[str]) -> None:
         self._stage, self._out, self._err = stage, b"", b""
-        proc = QProcess(self)
-        env = QProcessEnvironment.systemEnvironment()
-        path = env.value("PYTHONPATH", "")
-        env.insert("PYTHONPATH", os.pathsep.join(p for p in (str(REPO_ROOT), path) if p))
-        proc.setProcessEnvironment(env)
+        proc = engine_qprocess(self)
         proc.readyReadStandardOutput.connect(self._read)
         proc.readyReadStandardError.connect(self._read)
         proc.finished.connect(self._finished)
