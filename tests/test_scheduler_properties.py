@@ -20,7 +20,10 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from test_block_manager import ShadowKV
 from test_block_manager import check_invariants as check_pool
+
+prefix_keys = ShadowKV.prefix_keys
 
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
@@ -29,14 +32,6 @@ from engine.sequence import Sequence, SequenceStatus
 
 MAX_DRAIN_STEPS = 10_000
 _ids = itertools.count()
-
-
-def prefix_keys(seq: Sequence, upto: int) -> list[int]:
-    keys, h = [], 0
-    for t in seq.token_ids[:upto]:
-        h = hash((h, t))
-        keys.append(h)
-    return keys
 
 
 @dataclass
