@@ -2,9 +2,9 @@
 
 Two threads, so a slow or hostile client never stalls a step:
 
-* the I/O thread (engine/server_io.py) owns every socket. It decodes and validates commands (garbage is answered
-  or dropped right there, the engine never sees it), queues good ones for the engine thread,
-  forwards what the engine thread produced, tracks subscriptions and sends the heartbeat.
+* the I/O thread (engine/server_io.py) owns every socket. It decodes and validates commands
+  (garbage is answered or dropped right there, the engine never sees it), queues good ones
+  for the engine thread, forwards what it produced, tracks subscriptions, sends heartbeats.
 * the engine thread owns the LLMEngine. Between steps it takes queued commands, runs a step,
   routes the token deltas to their submitters and builds the state frames of subscribed
   topics, each at most `state_hz` times a second and within a CPU budget. It hands frames to
