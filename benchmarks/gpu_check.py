@@ -368,11 +368,13 @@ def end_to_end(seed: int, quick: bool, device: str = "cuda") -> dict:
 
     from benchmarks.bench import build_workload, hf_generate_batch, load_hf, special_token_ids
     from engine import LLM, EngineConfig, SamplingParams
+    from engine.config import resolve_device, resolve_dtype
+    from engine.loader import load_model
 
     n, prompt_range, out_len = (8, (32, 128), 32) if quick else (16, (64, 256), 64)
     result = {"requests": n, "prompt_range": list(prompt_range), "output_tokens": out_len,
               "engine": {}, "hf": None}
-    base = None
+    base = loaded = None
     try:
         import engine.model as model_mod
         from kernels import ops
@@ -385,7 +387,10 @@ def end_to_end(seed: int, quick: bool, device: str = "cuda") -> dict:
     for kv in ("auto", "int8", "fp8"):
         try:
             t0 = time.perf_counter()
-            llm = LLM(EngineConfig(device=device, kv_dtype=kv), loaded=base and base.loaded)
+            if loaded is None:  # load once; an engine that loads itself drops the tensors
+                cfg = EngineConfig(device=device)
+                loaded = load_model(cfg.model, resolve_dtype(cfg.dtype, resolve_device(device)))
+            llm = LLM(EngineConfig(device=device, kv_dtype=kv), loaded=loaded)
             load_s = time.perf_counter() - t0
             eng = llm.engine
             if base is None:

@@ -45,6 +45,10 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or hf.max_position_embeddings
         self.model = PagedLlama(hf, self.loaded.state_dict, self.device, self.dtype,
                                 self.max_model_len)
+        if loaded is None:
+            # The model keeps its own (fused, on-device) tensors; nothing needs the loader's
+            # host copies any more, and a caller's `loaded` stays theirs to reuse.
+            self.loaded = replace(self.loaded, state_dict={})
         self.requests: dict[str, Sequence] = {}
         self.num_steps = 0
         self.num_prompt_tokens = 0

@@ -35,6 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="larger command messages are dropped by ZeroMQ (ZMQ_MAXMSGSIZE)")
     p.add_argument("--state-hz", type=float, default=30.0,
                    help="most state frames per second and topic (default 30)")
+    p.add_argument("--metrics-port", type=int, metavar="P",
+                   help="serve Prometheus metrics at http://HOST:P/metrics (off by default; "
+                        "0 picks a free port; the URL is printed on stderr and in hello)")
+    p.add_argument("--metrics-host",
+                   help="address for /metrics (default: --host; others need --allow-remote)")
     p.add_argument("--trace", metavar="PATH", help="record the session to a JSONL trace")
     p.add_argument("--no-prompts", action="store_true",
                    help="with --trace: record prompt lengths, not the prompt token ids")
@@ -57,7 +62,16 @@ def resolve_endpoints(args) -> tuple[str, str]:
             args.state_endpoint or endpoints.tcp(args.host, state_port))
 
 
-def check_remote(eps: tuple[str, str], allow_remote: bool) -> None:
+def metrics_address(args) -> tuple[str, int] | None:
+    if args.metrics_port is None:
+        return None
+    if not 0 <= args.metrics_port < 65536:
+        raise ValueError(f"--metrics-port {args.metrics_port} is not a port number")
+    host = args.metrics_host or (args.host if not args.endpoint else endpoints.DEFAULT_HOST)
+    return host, args.metrics_port
+
+
+def check_remote(eps, allow_remote: bool) -> None:
     remote = [e for e in eps if not endpoints.is_local(e)]
     if remote and not allow_remote:
         raise ValueError(f"refusing to bind {', '.join(remote)}: not a loopback address. The "
@@ -74,24 +88,36 @@ def main(argv: list[str]) -> int:
         if not args.state_hz > 0:
             raise ValueError(f"--state-hz {args.state_hz} must be > 0")
         eps = resolve_endpoints(args)
-        check_remote(eps, args.allow_remote)
+        metrics_at = metrics_address(args)
+        check_remote([*eps, *([endpoints.tcp(*metrics_at)] if metrics_at else [])],
+                     args.allow_remote)
     except ValueError as exc:
         print(f"kvscope serve: error: {exc}", file=sys.stderr)
         return 2
     import zmq
 
     from engine.llm_engine import LLMEngine
+    from engine.metrics import EngineMetrics
     from engine.server import EngineServer
 
+    metrics = metrics_url = None
     try:
         with contextlib.redirect_stdout(sys.stderr):  # stdout is for the ready line only
             engine = LLMEngine(engine_config_from_args(args))
+        if metrics_at:
+            metrics = EngineMetrics(engine.config.model, engine.max_model_len,
+                                    engine.config.max_num_batched_tokens)
+            metrics_url = metrics.serve(*metrics_at)
+            print(f"kvscope serve: Prometheus metrics at {metrics_url}", file=sys.stderr,
+                  flush=True)
         if args.trace:
             engine.start_trace(args.trace, include_prompts=not args.no_prompts)
         server = EngineServer(engine, *eps, max_message_bytes=args.max_message_bytes,
-                              state_hz=args.state_hz)
+                              state_hz=args.state_hz, metrics=metrics, metrics_url=metrics_url)
     except (ValueError, OSError, zmq.ZMQError) as exc:
         print(f"kvscope serve: error: {exc}", file=sys.stderr)
+        if metrics is not None:
+            metrics.close()
         return 2
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: server.request_stop())
@@ -100,6 +126,8 @@ def main(argv: list[str]) -> int:
     while not server.wait(0.25):  # short waits so the signal handlers get to run
         pass
     server.close()
+    if metrics is not None:
+        metrics.close()
     engine.stop_trace()
     return 1 if server.failed else 0
 

@@ -26,6 +26,8 @@ import zmq
 
 import engine as engine_pkg
 from engine import snapshots
+from engine.device_monitor import DeviceMonitor
+from engine.metrics import EngineMetrics, EngineState
 from engine.sampling_params import SamplingParams
 from engine.server_io import HEARTBEAT_S, WAKE, ClientGone, IOThread
 from ipc import codec
@@ -43,9 +45,14 @@ class CommandError(Exception):
 
 
 _STOP = object()
-STATE_TOPICS = ("step", "blocks", "stats")  # built by the engine thread; heartbeat by I/O
+STATE_TOPICS = ("step", "blocks", "stats", "device")  # built by the engine thread
 PUBLISH_BUDGET = 0.01  # share of the engine thread each state topic may take at most
 STATS_INTERVAL = 0.1  # rates and percentiles move slowly: 10 Hz is plenty
+DEVICE_INTERVAL = 1.0  # what nvidia-smi and nvitop sample at; NVML itself averages over ~1 s
+METRICS_INTERVAL = 0.05  # /metrics counters refresh at most this often while busy
+
+
+TOPIC_INTERVAL = {"stats": STATS_INTERVAL, "device": DEVICE_INTERVAL}  # others: 1/state_hz
 
 
 @dataclass
@@ -58,8 +65,15 @@ class _Published:
 class EngineServer:
     def __init__(self, engine, command_endpoint: str, state_endpoint: str, *,
                  max_message_bytes: int = m.DEFAULT_MAX_MESSAGE_BYTES, state_hz: float = 30.0,
-                 max_pending_requests: int = 4096) -> None:
+                 max_pending_requests: int = 4096, metrics: EngineMetrics | None = None,
+                 metrics_url: str | None = None) -> None:
         self.engine = engine
+        self.prometheus, self.metrics_url = metrics, metrics_url
+        self.device_monitor = DeviceMonitor(engine)
+        self.device: m.DeviceFrame | None = None
+        self.device_at = self.kv_totals_at = self.prometheus_at = float("-inf")
+        self.kv_totals: dict | None = None
+        self.prometheus_version = 0
         self.max_message_bytes = max_message_bytes
         self.state_interval = 1.0 / state_hz
         self.max_pending_requests = max_pending_requests
@@ -117,6 +131,7 @@ class EngineServer:
                 if self.engine.has_unfinished():
                     self._step()
                 self._maybe_publish()
+                self._maybe_update_prometheus()
             self._abort_all()
             self._refuse_queued()
         except BaseException:  # noqa: BLE001 - report, then stop cleanly below
@@ -167,6 +182,8 @@ class EngineServer:
             return
         if engine.num_steps != before:
             self.steplog.record(engine, self.streamed, time.monotonic() - start)
+            if self.prometheus is not None:
+                self.prometheus.on_step(sum(s.num_tokens for s in engine.last_batch))
             for s in engine.last_batch:
                 self.first_scheduled.setdefault(s.seq.request_id, start)
         self._route(deltas)
@@ -182,7 +199,9 @@ class EngineServer:
             if seq is None or who is None:
                 continue
             if d.token_ids:
-                self.metrics.on_tokens(seq, now)
+                latency = self.metrics.on_tokens(seq, now)
+                if latency is not None and self.prometheus is not None:
+                    self.prometheus.on_latency(*latency)
                 self.streamed[d.request_id] = self.streamed.get(d.request_id, 0) + \
                     len(d.token_ids)
             by_client.setdefault(who, []).append(self._delta(seq, d.token_ids, d.text,
@@ -190,7 +209,7 @@ class EngineServer:
                                                              else None))
             if d.finished:
                 self.engine.pop_output(d.request_id)
-                self._forget(d.request_id, d.finish_reason or "stop")
+                self._forget(d.request_id, d.finish_reason or "stop", seq)
         for who, items in by_client.items():
             self._send(who, m.Deltas(items))
 
@@ -205,13 +224,19 @@ class EngineServer:
             num_output_tokens=seq.num_output_tokens, num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens, num_preemptions=seq.num_preemptions)
 
-    def _forget(self, rid: str, reason: str) -> None:
+    def _forget(self, rid: str, reason: str, seq=None) -> None:
+        """rid ended (finished, aborted, its client gone): drop what the server kept on it."""
+        seq = seq if seq is not None else self.engine.requests.get(rid)
+        first = self.first_scheduled.pop(rid, None)
+        if self.prometheus is not None and seq is not None and rid in self.owners:
+            self.prometheus.on_finished(
+                reason, time.monotonic() - seq.arrival_time,
+                None if first is None else first - seq.arrival_time,
+                seq.num_prompt_tokens, seq.num_output_tokens)
         self.owners.pop(rid, None)
         self.streamed.pop(rid, None)
-        self.first_scheduled.pop(rid, None)
         self.metrics.forget(rid)
-        seq = self.engine.requests.get(rid)
-        if seq is not None and seq.is_finished:
+        if seq is not None and seq.is_finished and rid in self.engine.requests:
             self.engine.pop_output(rid)  # the engine keeps finished requests until popped
         self.recent[rid] = reason
         if len(self.recent) > RECENT_FINISHED:
@@ -264,7 +289,7 @@ class EngineServer:
         e = self.engine
         return m.HelloResult(m.PROTOCOL_VERSION, engine_pkg.__version__, e.config.model,
                              os.getpid(), e.config.to_dict(), e.max_model_len,
-                             self.max_message_bytes)
+                             self.max_message_bytes, self.metrics_url)
 
     def _cmd_submit(self, who, cmd: m.Submit) -> m.SubmitResult:
         if len(self.owners) >= self.max_pending_requests:
@@ -368,7 +393,7 @@ class EngineServer:
             self.state_sent += 1
             self.out.send_multipart([b"P", topic.encode(), payload], copy=False)
             pub.at, pub.version = now, self.version
-            pub.gap = max(self.state_interval if topic != "stats" else STATS_INTERVAL,
+            pub.gap = max(TOPIC_INTERVAL.get(topic, self.state_interval),
                           cost / PUBLISH_BUDGET)
 
     def _due(self, pub: _Published) -> float:
@@ -383,7 +408,35 @@ class EngineServer:
             return self.steplog.frame(self.engine, seq)
         if topic == "blocks":
             return snapshots.blocks_frame(self.engine, seq)
+        if topic == "device":
+            return msgspec.structs.replace(self._device(), seq=seq)
         return self._stats(seq)
+
+    def _device(self) -> m.DeviceFrame:
+        """A device sample at most half a second old (the topic and /metrics share it)."""
+        now = time.monotonic()
+        if now - self.device_at >= DEVICE_INTERVAL / 2:
+            self.device, self.device_at = self.device_monitor.sample(), now
+        return self.device
+
+    def _maybe_update_prometheus(self) -> None:
+        """Hand /metrics a fresh state when the engine changed: at most every
+        METRICS_INTERVAL while busy, at once when it goes idle, so totals read at rest are
+        exactly the stream's. The device and the KV waste (a pass over the pool) refresh at
+        DEVICE_INTERVAL."""
+        if self.prometheus is None:
+            return
+        now = time.monotonic()
+        busy = self.engine.has_unfinished()
+        slow_due = now - self.kv_totals_at >= DEVICE_INTERVAL
+        if not slow_due and (self.prometheus_version == self.version
+                             or (busy and now - self.prometheus_at < METRICS_INTERVAL)):
+            return
+        if slow_due or self.kv_totals is None or not busy:
+            self.kv_totals, self.kv_totals_at = snapshots.block_totals(self.engine), now
+        self.prometheus.publish(EngineState(self.engine.stats(), self.kv_totals,
+                                            self._device()))
+        self.prometheus_at, self.prometheus_version = now, self.version
 
     def _stats(self, seq: int) -> m.StatsFrame:
         server = dict(self.counters, bad_frames=self.io.bad_frames,

@@ -95,6 +95,16 @@ def blocks_frame(engine, seq: int) -> m.BlocksFrame:
         **_totals(engine, flags, filled))
 
 
+def block_totals(engine) -> dict[str, int]:
+    """The blocks frame's totals (used, cached, waste, ...) without its per-block arrays."""
+    bm, sched = engine.block_manager, engine.scheduler
+    live = list(sched.running) + list(sched.waiting)
+    lens, offsets, flat = _tables(live)
+    flags = _block_flags(bm, flat)
+    return _totals(engine, flags,
+                   _filled(live, lens, offsets, flat, bm.num_blocks, bm.block_size, flags))
+
+
 def _tables(live) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Block-table lengths, CSR offsets and the tables concatenated (C-speed iteration)."""
     lens = np.fromiter((len(s.block_table) for s in live), np.int64, len(live))
@@ -170,16 +180,19 @@ class Metrics:
         self.last_token_at: dict[str, float] = {}
         self.totals: deque[tuple[float, int, int]] = deque()
 
-    def on_tokens(self, seq, now: float) -> None:
-        """A delta with tokens for seq arrived at monotonic time now."""
+    def on_tokens(self, seq, now: float) -> tuple[str, float] | None:
+        """A delta with tokens for seq arrived at monotonic time now. Returns the latency
+        sample it made, ("ttft" | "itl", seconds), for other observers (/metrics)."""
         rid = seq.request_id
         last = self.last_token_at.get(rid)
-        if last is None:
-            if seq.first_token_time is not None:
-                self.ttft.append(seq.first_token_time - seq.arrival_time)
-        else:
-            self.itl.append(now - last)
         self.last_token_at[rid] = now
+        if last is not None:
+            self.itl.append(now - last)
+            return "itl", now - last
+        if seq.first_token_time is None:
+            return None
+        self.ttft.append(seq.first_token_time - seq.arrival_time)
+        return "ttft", seq.first_token_time - seq.arrival_time
 
     def forget(self, request_id: str) -> None:
         self.last_token_at.pop(request_id, None)

@@ -133,6 +133,7 @@ class HelloResult(msgspec.Struct):
     config: dict[str, Any]
     max_model_len: int
     max_message_bytes: int
+    metrics_url: str | None = None  # Prometheus /metrics, when the engine serves it
 
 
 class SubmitResult(msgspec.Struct):
@@ -295,6 +296,45 @@ class Heartbeat(msgspec.Struct, kw_only=True):
     bad_frames: int
 
 
+class DeviceFrame(msgspec.Struct, kw_only=True):
+    """The engine's device, sampled about once a second. Bytes are plain byte counts. A field
+    is None when this device or machine cannot tell it (no NVML, no CUDA), never a guess.
+
+    `memory_*` is the whole device: the card on CUDA, system RAM on CPU. `process_bytes` is
+    what the engine process holds there (CUDA: NVML's per-process figure, as nvidia-smi shows
+    it, else the torch allocator's reserve; CPU: resident set size, as ps shows it). Its parts:
+    weights + kv_pool (scale caches included) + activations + allocator_free + other, where
+    other is the rest of process_bytes (CUDA context, Python, libraries). kv_used and
+    kv_cached are the parts of kv_pool that live and prefix-cached blocks take."""
+    seq: int
+    time: float
+    pid: int
+    device: str  # "cuda:0", "cpu"
+    name: str  # the GPU's or CPU's model name
+    memory_total: int
+    memory_used: int  # by every process
+    memory_free: int  # available to allocate (CPU: MemAvailable)
+    process_bytes: int
+    process_source: str  # "nvml", "torch" or "rss": where process_bytes came from
+    weights_bytes: int
+    kv_pool_bytes: int
+    kv_used_bytes: int
+    kv_cached_bytes: int
+    activations_bytes: int | None = None  # CUDA: torch allocated - weights - KV pool
+    allocator_free_bytes: int | None = None  # CUDA: torch reserved - allocated
+    other_bytes: int = 0
+    gpu_utilization: float | None = None  # percent of time a kernel ran (NVML)
+    memory_utilization: float | None = None  # percent of time memory was read/written (NVML)
+    memory_clock_mhz: float | None = None
+    memory_clock_max_mhz: float | None = None
+    temperature_c: float | None = None
+    power_w: float | None = None
+    power_limit_w: float | None = None
+    cpu_percent: float | None = None  # the engine process; 100 = one core busy
+    num_cpus: int = 1
+    system_cpu_percent: float | None = None  # the whole machine, 0-100
+
+
 class SnapshotResult(msgspec.Struct):
     step: StepFrame | None  # None before the first step
     blocks: BlocksFrame
@@ -302,5 +342,5 @@ class SnapshotResult(msgspec.Struct):
 
 
 TOPIC_TYPES: dict[str, type] = {"step": StepFrame, "blocks": BlocksFrame, "stats": StatsFrame,
-                                "heartbeat": Heartbeat}
+                                "device": DeviceFrame, "heartbeat": Heartbeat}
 TOPICS = tuple(TOPIC_TYPES)

@@ -68,7 +68,8 @@ class Server:
         return self
 
     def log_text(self) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return self.log_path.read_text()[-4000:]
 
     def signal(self, sig: int) -> None:

@@ -67,6 +67,7 @@ def prompts(lengths, seed):
 def test_hello_and_protocol_version(client, server):
     hello = client.hello()
     assert hello.protocol == m.PROTOCOL_VERSION and hello.config["block_size"] == 8
+    assert hello.metrics_url is None  # /metrics is off unless --metrics-port
     with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as raw:
         raw.connect(server.command)
         raw.send(msgspec.msgpack.encode({"type": "hello", "id": 7, "protocol": 999}))
