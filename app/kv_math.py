@@ -1,7 +1,9 @@
 """KV cache arithmetic for the calculator panel (the app may not import the engine's).
 
 bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element, plus one
-float32 scale per token, kv head, layer and K/V for int8/fp8."""
+float32 scale per token, kv head, layer and K/V for int8/fp8. "What fits": the KV memory this
+device has left once the weights are loaded, as whole blocks and tokens per dtype and block
+size, and as concurrent requests of a given length."""
 from __future__ import annotations
 
 import math
@@ -72,3 +74,64 @@ def sample_lengths(dist: str, mean: int, max_len: int, n: int, seed: int) -> lis
 def compare(lengths: list[int], max_len: int, block_size: int) -> FragResult:
     """Reserved-max-length vs paged waste: the very code behind `kvscope fragsim`."""
     return simulate(lengths, block_size, max_len)
+
+
+# -- what fits on this device ---------------------------------------------------------------
+# Block sizes the engine accepts are powers of two up to 256 (engine/config.py); the table
+# shows the ones people actually pick.
+FIT_BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
+# Kept back from the KV cache, as a fraction of the device's total memory: one step's
+# activations and logits, the allocator's fragmentation, and room for other programs to grow.
+# vLLM keeps 10 % of the card (gpu_memory_utilization=0.9) besides the activations it profiles;
+# here the starting point is memory already free, weights and other programs excluded, so a
+# smaller default margin suffices (the panel lets the user change it).
+DEFAULT_HEADROOM_FRAC = 0.05
+
+
+@dataclass(frozen=True)
+class Fit:
+    dtype: str
+    block_size: int
+    bytes_per_token: int
+    blocks: int  # whole blocks that fit
+    tokens: int  # blocks * block_size
+
+
+def kv_memory_available(memory_free: int, kv_pool_bytes: int, memory_total: int,
+                        headroom_frac: float = DEFAULT_HEADROOM_FRAC) -> int:
+    """Bytes a KV pool could take on this device, the weights already loaded.
+
+    = free memory + the engine's current KV pool (rebuilding the pool releases it first)
+      - headroom_frac x total memory (activations, allocator slack, other programs).
+    Weights need no subtracting: they are in use, so they are not in memory_free. Never
+    negative."""
+    headroom = int(max(0.0, headroom_frac) * max(0, memory_total))
+    return max(0, int(memory_free) + max(0, int(kv_pool_bytes)) - headroom)
+
+
+def fit(available_bytes: int, shape: ModelShape, dtype: str, block_size: int) -> Fit:
+    """How much of a paged pool fits in available_bytes: only whole blocks, so a bigger block
+    size can hold fewer tokens (at most block_size - 1 fewer)."""
+    per = bytes_per_token(shape, dtype)
+    blocks = max(0, int(available_bytes)) // (block_size * per)
+    return Fit(dtype, block_size, per, blocks, blocks * block_size)
+
+
+def what_fits(available_bytes: int, shape: ModelShape,
+              dtypes: tuple[str, ...] | list[str] = tuple(DTYPE_BYTES),
+              block_sizes: tuple[int, ...] | list[int] = FIT_BLOCK_SIZES,
+              ) -> dict[str, dict[int, Fit]]:
+    """table[dtype][block_size] -> Fit, for every KV dtype and block size asked for."""
+    return {d: {bs: fit(available_bytes, shape, d, bs) for bs in block_sizes} for d in dtypes}
+
+
+def blocks_per_request(length: int, block_size: int) -> int:
+    return -(-max(1, int(length)) // block_size)
+
+
+def concurrent_requests(available_bytes: int, shape: ModelShape, dtype: str, block_size: int,
+                        length: int) -> int:
+    """Requests of `length` tokens (prompt + reply) that fit at once: each holds
+    ceil(length / block_size) whole blocks (no prefix sharing assumed)."""
+    blocks = fit(available_bytes, shape, dtype, block_size).blocks
+    return blocks // blocks_per_request(length, block_size)

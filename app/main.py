@@ -13,7 +13,7 @@ ENGINE_OPTIONS = {  # option -> takes a value (passed through to the engine chil
     "--model": True, "--device": True, "--dtype": True, "--block-size": True,
     "--kv-dtype": True, "--kv-cache-bytes": True, "--num-kv-blocks": True,
     "--max-num-seqs": True, "--max-num-batched-tokens": True, "--max-model-len": True,
-    "--no-prefix-caching": False, "--seed": True, "--state-hz": True,
+    "--no-prefix-caching": False, "--seed": True, "--state-hz": True, "--metrics-port": True,
 }
 STYLE = Path(__file__).resolve().parent.parent / "resources" / "style.qss"
 
@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--seed", type=int)
     g.add_argument("--state-hz", type=float)
+    g.add_argument("--metrics-port", type=int, metavar="P",
+                   help="the engine serves Prometheus metrics on 127.0.0.1:P/metrics")
     return p
 
 

@@ -126,6 +126,8 @@ def test_engine_options_pass_through():
     assert engine_args(args) == ["--model", "/m", "--block-size", "8", "--kv-dtype", "int8",
                                  "--no-prefix-caching"]
     assert build_parser().parse_args(["--attach", "tcp://h:5570"]).attach == "tcp://h:5570"
+    args = build_parser().parse_args(["--metrics-port", "9100"])
+    assert engine_args(args) == ["--metrics-port", "9100"]
 
 
 def test_settings_persist_between_runs(qtbot, tmp_path):
