@@ -74,6 +74,7 @@ class BlockMap(QWidget):
         self.hover_label = QLabel("Hover a block for details; click one to select its request")
         self.hover_label.setObjectName("hoverLabel")
         self.hover_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.hover_label.setWordWrap(True)  # else its longest text sets the map's least width
         self.legend = QLabel(self._legend_html())
         self.legend.setObjectName("legend")
         self.legend.setWordWrap(True)
@@ -97,7 +98,7 @@ class BlockMap(QWidget):
         side.addWidget(self.table, 1)
         side_w = QWidget()
         side_w.setLayout(side)
-        side_w.setFixedWidth(290)
+        side_w.setFixedWidth(270)
         left = QVBoxLayout()
         left.addWidget(self.title)
         left.addWidget(self.plot, 1)

@@ -1,6 +1,6 @@
-"""The kvscope window: chat | block map over batch plots, a side panel (controls, load, KV
-calculator) and the engine status bar. Owns the engine child (or attaches to an engine) and
-the two repaint clocks: images and curves at ~30 Hz, text labels at 4 Hz."""
+"""The kvscope window: chat | block map and device panel over batch plots, a side panel
+(controls, load, KV calculator) and the engine status bar. Owns the engine child (or attaches
+to an engine) and the two repaint clocks: images and curves at ~30 Hz, text labels at 4 Hz."""
 from __future__ import annotations
 
 from PySide6.QtCore import QSettings, Qt, QTimer, Signal
@@ -13,6 +13,7 @@ from app.block_map import BlockMap
 from app.bridge import EngineBridge
 from app.chat_widget import ChatPanel
 from app.controls import ControlsPanel
+from app.device_panel import DevicePanel
 from app.engine_process import EngineProcess
 from app.kv_calculator import KVCalculatorPanel
 from app.load_generator import LoadGenerator, LoadGeneratorPanel
@@ -42,6 +43,7 @@ class MainWindow(QMainWindow):
         self.chat = ChatPanel()
         self.block_map = BlockMap()
         self.plots = BatchPlots()
+        self.device_panel = DevicePanel()
         self.controls = ControlsPanel()
         self.load = LoadGenerator(self)
         self.load_panel = LoadGeneratorPanel(self.load)
@@ -50,8 +52,14 @@ class MainWindow(QMainWindow):
         self.status = EngineStatusBar(self)
         self.setStatusBar(self.status)
 
+        self.top_splitter = QSplitter(Qt.Orientation.Horizontal)
+        self.top_splitter.addWidget(self.block_map)
+        self.top_splitter.addWidget(self.device_panel)
+        self.top_splitter.setSizes([680, 340])
+        self.top_splitter.setStretchFactor(0, 1)  # a wider window widens the map, not the panel
+        self.top_splitter.setCollapsible(1, False)
         self.right_splitter = QSplitter(Qt.Orientation.Vertical)
-        self.right_splitter.addWidget(self.block_map)
+        self.right_splitter.addWidget(self.top_splitter)
         self.right_splitter.addWidget(self.plots)
         self.right_splitter.setSizes([520, 420])
         self.main_splitter = QSplitter(Qt.Orientation.Horizontal)
@@ -102,6 +110,9 @@ class MainWindow(QMainWindow):
         self.load.submitRequested.connect(b.submit)
         self.load.abortRequested.connect(b.abort)
         self.controls.reconfigureRequested.connect(b.reconfigure)
+        # One time window for all history plots; set_window ignores a no-op, so no echo loop.
+        self.plots.windowChanged.connect(self.device_panel.set_window)
+        self.device_panel.windowChanged.connect(self.plots.set_window)
         self.status.restartRequested.connect(self.restart_engine)
         self.status.stateChanged.connect(
             lambda state: state == "dead" and self.on_engine_dead(self.status.dead_reason))
@@ -137,6 +148,7 @@ class MainWindow(QMainWindow):
         self.chat.fail_all("the engine was restarted")
         self.load.fail_all()
         self.plots.clear()
+        self.device_panel.clear()
         self.hello = None
         self.controls.set_enabled(False)
         self.start()
@@ -165,6 +177,7 @@ class MainWindow(QMainWindow):
         self.hello = hello
         self.controls.show_config(hello.config)
         self.kv_calculator.set_running_model(str(hello.config.get("model", "")))
+        self.status.show_hello(hello)
         self.status.start_watching()
         self.engineReady.emit(hello)
 
@@ -187,6 +200,10 @@ class MainWindow(QMainWindow):
             self.plots.show_stats(frame)
             self.kv_calculator.set_engine_kv(frame.engine.get("kv_bytes_per_token"),
                                              frame.engine.get("kv_dtype"))
+            self.kv_calculator.set_engine_block_size(frame.engine.get("block_size"))
+        elif topic == "device":
+            self.device_panel.show_device(frame)
+            self.kv_calculator.set_device(frame)
         elif topic == "heartbeat":
             self.status.show_heartbeat(frame)
 
@@ -197,6 +214,7 @@ class MainWindow(QMainWindow):
         if self.closed:
             return
         self.status.mark_dead(reason)
+        self.kv_calculator.set_device(None)  # that device's free memory is no longer known
         self.chat.fail_all(f"engine died: {reason}")
         self.load.fail_all()
         if self.controls.busy:
@@ -213,7 +231,9 @@ class MainWindow(QMainWindow):
     def repaint_views(self) -> None:
         self.block_map.refresh()
         self.plots.refresh()
+        self.device_panel.refresh()
 
     def refresh_labels(self) -> None:
         self.block_map.refresh_labels()
+        self.device_panel.refresh_labels()
         self.chat.refresh_labels()

@@ -22,7 +22,9 @@ def _widgets(window) -> dict[str, object]:
         "load/tokens_min": lg.tokens_min, "load/tokens_max": lg.tokens_max,
         "kv/dtype": kv.dtype, "kv/context": kv.context, "kv/requests": kv.requests,
         "kv/dist": kv.dist, "kv/mean": kv.mean, "kv/block_size": kv.block_size,
-        "kv/seed": kv.seed,
+        "kv/seed": kv.seed, "kv/headroom": kv.headroom, "kv/request_len": kv.request_len,
+        # Restored in this order: setting the amount switches to manual, the source then wins.
+        "kv/manual_gib": kv.manual_gib, "kv/fits_source": kv.fits_source,
     }
 
 
@@ -31,6 +33,7 @@ def save(window, s: QSettings) -> None:
     s.setValue("window/state", window.saveState())
     s.setValue("window/main_splitter", window.main_splitter.saveState())
     s.setValue("window/right_splitter", window.right_splitter.saveState())
+    s.setValue("window/top_splitter", window.top_splitter.saveState())
     s.setValue("window/side_tab", window.side_tabs.currentIndex())
     for key, w in _widgets(window).items():
         s.setValue(key, w.currentText() if isinstance(w, QComboBox) else w.value())
@@ -41,7 +44,8 @@ def restore(window, s: QSettings) -> None:
     for key, setter in (("window/geometry", window.restoreGeometry),
                         ("window/state", window.restoreState),
                         ("window/main_splitter", window.main_splitter.restoreState),
-                        ("window/right_splitter", window.right_splitter.restoreState)):
+                        ("window/right_splitter", window.right_splitter.restoreState),
+                        ("window/top_splitter", window.top_splitter.restoreState)):
         value = s.value(key)
         if value is not None:
             setter(value)

@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from PySide6.QtCore import QTimer, Signal
+from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import QLabel, QPushButton, QStatusBar, QWidget
 
 from app.fmt import human_bytes
@@ -32,12 +32,18 @@ class EngineStatusBar(QStatusBar):
         self.state_label.setObjectName("engineState")
         self.engine_label = QLabel("engine: starting…")
         self.blocks_label = QLabel("")
+        self.metrics_label = QLabel("")
+        self.metrics_label.setObjectName("metricsLabel")
+        self.metrics_label.setTextInteractionFlags(
+            Qt.TextInteractionFlag.TextSelectableByMouse)  # to paste into Prometheus' config
+        self.metrics_label.hide()
         self.restart_button = QPushButton("Restart engine")
         self.restart_button.setObjectName("restartButton")
         self.restart_button.clicked.connect(self.restartRequested)
         self.restart_button.hide()
         self.addWidget(self.state_label)
         self.addWidget(self.engine_label, 1)
+        self.addPermanentWidget(self.metrics_label)
         self.addPermanentWidget(self.blocks_label)
         self.addPermanentWidget(self.restart_button)
         self.timer = QTimer(self)
@@ -51,6 +57,12 @@ class EngineStatusBar(QStatusBar):
 
     def stop_watching(self) -> None:
         self.timer.stop()
+
+    def show_hello(self, hello) -> None:
+        url = getattr(hello, "metrics_url", None)
+        self.metrics_label.setText(f"metrics: {url}" if url else "")
+        self.metrics_label.setToolTip("Prometheus scrapes this URL" if url else "")
+        self.metrics_label.setVisible(bool(url))
 
     def show_heartbeat(self, hb) -> None:
         self.last_heartbeat = self.clock()

@@ -141,13 +141,22 @@ def test_settings_persist_between_runs(qtbot, tmp_path):
     w.plots.set_window("Last 5 min")
     w.kv_calculator.context.setValue(8192)
     w.side_tabs.setCurrentIndex(2)
+    kv = w.kv_calculator
+    kv.manual_gib.setValue(40.0)  # typing an amount switches to manual ...
+    assert kv.fits_source.currentText() != "this device"
+    kv.fits_source.setCurrentText("this device")  # ... and the user switched back
+    kv.headroom.setValue(7.5)
     w.shutdown()
+    assert QSettings(path, QSettings.Format.IniFormat).value("window/top_splitter") is not None
     w2 = MainWindow(attach="tcp://127.0.0.1:9",
                     settings=QSettings(path, QSettings.Format.IniFormat))
     qtbot.addWidget(w2)
     assert w2.chat.max_tokens.value() == 77 and w2.load_panel.rate.value() == 5.5
     assert w2.plots.window.currentText() == "Last 5 min"
     assert w2.kv_calculator.context.value() == 8192 and w2.side_tabs.currentIndex() == 2
+    kv2 = w2.kv_calculator
+    assert (kv2.manual_gib.value(), kv2.headroom.value()) == (40.0, 7.5)
+    assert kv2.fits_source.currentText() == "this device"
     w2.shutdown()
 
 

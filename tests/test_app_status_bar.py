@@ -41,3 +41,18 @@ def test_dead_from_real_timer(qtbot):
     bar.last_heartbeat -= DEAD_AFTER_S + 1  # as if it arrived long ago
     qtbot.waitUntil(lambda: bar.state == "dead", timeout=2000)
     bar.stop_watching()
+
+
+def test_metrics_url_is_shown_only_when_served(qtbot):
+    from ipc import messages as m
+
+    bar = EngineStatusBar()
+    qtbot.addWidget(bar)
+    bar.show()
+    hello = m.HelloResult(1, "x", "default", 1, {}, 512, 1 << 20, "http://127.0.0.1:9100/metrics")
+    bar.show_hello(hello)
+    assert bar.metrics_label.isVisible()
+    assert bar.metrics_label.text() == "metrics: http://127.0.0.1:9100/metrics"
+    bar.show_hello(m.HelloResult(1, "x", "default", 1, {}, 512, 1 << 20))
+    assert not bar.metrics_label.isVisible() and bar.metrics_label.text() == ""
+    bar.stop_watching()
