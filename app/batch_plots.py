@@ -6,7 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Signal
-from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QVBoxLayout, QWidget
+from PySide6.QtWidgets import (
+    QComboBox,
+    QHBoxLayout,
+    QLabel,
+    QSizePolicy,
+    QVBoxLayout,
+    QWidget,
+)
 
 from app.series import Series
 
@@ -35,6 +42,8 @@ class BatchPlots(QWidget):
         self.window.currentTextChanged.connect(self.set_window)
         self.summary = QLabel("")
         self.summary.setObjectName("plotSummary")
+        # Clip rather than widen: its longest text would otherwise set the window's least width.
+        self.summary.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self.layout_widget = pg.GraphicsLayoutWidget()
         self.layout_widget.setBackground("#16181d")
         self.plots: dict[str, pg.PlotItem] = {}
@@ -116,6 +125,7 @@ class BatchPlots(QWidget):
             f"{frame.prompt_tokens_per_s:,.0f} tok/s · TTFT p50/p90 {_ms(frame.ttft_s.p50)}/"
             f"{_ms(frame.ttft_s.p90)} · ITL p50/p90 {_ms(frame.itl_s.p50)}/"
             f"{_ms(frame.itl_s.p90)} · KV {100 * frame.kv_usage:.0f} %")
+        self.summary.setToolTip(self.summary.text())  # the label clips in a narrow window
         self._dirty = True
 
     # -- view -----------------------------------------------------------------------------------

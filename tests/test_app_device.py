@@ -287,6 +287,25 @@ def test_window_routes_device_frames_to_the_panel(qtbot, tmp_path, monkeypatch):
     w.shutdown()
 
 
+def test_window_fits_a_1600_px_screen_with_live_data(qtbot, tmp_path):
+    """The device panel must not push the window wider than a laptop screen, nor may long
+    live texts (the plots' summary, the CPU name) once they arrive."""
+    from app.main_window import MainWindow
+
+    w = MainWindow(attach="tcp://127.0.0.1:9",
+                   settings=QSettings(str(tmp_path / "s.ini"), QSettings.Format.IniFormat))
+    qtbot.addWidget(w)
+    w.show()
+    w.on_state("stats", stats_frame())
+    w.on_state("device", cpu_frame(name="AMD EPYC 9654 96-Core Processor with a long name"))
+    w.repaint_views()
+    w.refresh_labels()
+    qtbot.wait(10)
+    assert w.plots.summary.text()  # the long summary is there ...
+    assert w.minimumSizeHint().width() <= 1600  # ... and does not widen the window
+    w.shutdown()
+
+
 
 def test_window_shows_a_real_cpu_engine(qtbot, tmp_path):
     """A real engine child on CPU: its device frames reach the panel, and the numbers shown
