@@ -98,7 +98,7 @@ class BlockMap(QWidget):
         side.addWidget(self.table, 1)
         side_w = QWidget()
         side_w.setLayout(side)
-        side_w.setFixedWidth(270)
+        side_w.setFixedWidth(250)
         left = QVBoxLayout()
         left.addWidget(self.title)
         left.addWidget(self.plot, 1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 ENGINE_OPTIONS = {  # option -> takes a value (passed through to the engine child)
@@ -88,8 +89,14 @@ def main(argv: list[str]) -> int:
     app.setOrganizationName("kvscope")
     if STYLE.is_file():
         app.setStyleSheet(STYLE.read_text())
+    settings = None
+    if args.screenshot:  # the default layout, and the user's saved one stays untouched
+        from PySide6.QtCore import QSettings
+
+        scratch = tempfile.mkdtemp(prefix="kvscope-shot-")
+        settings = QSettings(f"{scratch}/settings.ini", QSettings.Format.IniFormat)
     window = MainWindow(engine_args=engine_args(args), attach=args.attach,
-                        attach_state=args.attach_state)
+                        attach_state=args.attach_state, settings=settings)
     if args.screenshot:
         w, _, h = args.size.partition("x")
         window.resize(int(w), int(h))

@@ -24,6 +24,15 @@ REPAINT_MS = 33
 LABELS_MS = 250
 
 
+def default_size(screen) -> tuple[int, int]:
+    """1600x960, or more of a big screen (chat, block map, device panel and the side panel
+    all want width), never more than the screen offers."""
+    if screen is None:
+        return 1600, 960
+    free = screen.availableGeometry()
+    return max(1600, min(1920, free.width() - 40)), max(960, min(1080, free.height() - 60))
+
+
 class MainWindow(QMainWindow):
     engineReady = Signal(object)  # HelloResult
 
@@ -65,7 +74,7 @@ class MainWindow(QMainWindow):
         self.main_splitter = QSplitter(Qt.Orientation.Horizontal)
         self.main_splitter.addWidget(self.chat)
         self.main_splitter.addWidget(self.right_splitter)
-        self.main_splitter.setSizes([420, 1000])
+        self.main_splitter.setSizes([360, 1100])
         self.main_splitter.setStretchFactor(1, 1)
         self.setCentralWidget(self.main_splitter)
         self.side_tabs = QTabWidget()
@@ -79,7 +88,10 @@ class MainWindow(QMainWindow):
         self.side_dock.setFeatures(QDockWidget.DockWidgetFeature.DockWidgetMovable
                                    | QDockWidget.DockWidgetFeature.DockWidgetFloatable)
         self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.side_dock)
-        self.resize(1600, 960)
+        # As narrow as its tabs allow: the width is worth more to the map and device panel.
+        self.resizeDocks([self.side_dock], [self.side_dock.minimumSizeHint().width()],
+                         Qt.Orientation.Horizontal)
+        self.resize(*default_size(self.screen()))
 
         self._wire()
         self._shortcuts()
