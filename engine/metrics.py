@@ -54,6 +54,18 @@ def model_label(model: str) -> str:
 
 
 @dataclass(frozen=True)
+class FinishedRequest:
+    """One request's life in monotonic seconds; None for a phase it never reached."""
+    arrived: float
+    scheduled: float | None  # first scheduled (end of queueing)
+    first_token: float | None
+    finished: float
+    prompt_tokens: int
+    output_tokens: int
+    max_tokens: int
+
+
+@dataclass(frozen=True)
 class EngineState:
     stats: dict  # LLMEngine.stats()
     kv_totals: dict | None  # snapshots.block_totals(): used, cached, internal waste, ...
@@ -78,15 +90,28 @@ class EngineMetrics:
                              "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds",
                              "Histogram of e2e request latency in seconds.", REQUEST_BUCKETS)
+        # vLLM's older name for the same samples; its example Grafana dashboard reads it.
+        self.tpot = histogram("time_per_output_token_seconds",
+                              "Histogram of time per output token in seconds (the same "
+                              "samples as inter_token_latency_seconds).", ITL_BUCKETS)
         self.queue = histogram("request_queue_time_seconds",
                                "Histogram of time spent in WAITING phase for request.",
                                REQUEST_BUCKETS)
+        self.prefill = histogram("request_prefill_time_seconds",
+                                 "Histogram of time spent in PREFILL phase for request.",
+                                 REQUEST_BUCKETS)
+        self.decode = histogram("request_decode_time_seconds",
+                                "Histogram of time spent in DECODE phase for request.",
+                                REQUEST_BUCKETS)
         self.prompt_len = histogram("request_prompt_tokens",
                                     "Number of prefill tokens processed.",
                                     token_buckets(max_model_len))
         self.output_len = histogram("request_generation_tokens",
                                     "Number of generation tokens processed.",
                                     token_buckets(max_model_len))
+        self.max_tokens = histogram("request_max_num_generation_tokens",
+                                    "Histogram of maximum number of requested generation "
+                                    "tokens.", token_buckets(max_model_len))
         self.iteration = histogram("iteration_tokens_total",
                                    "Histogram of number of tokens per engine_step.",
                                    token_buckets(max_num_batched_tokens))
@@ -102,19 +127,26 @@ class EngineMetrics:
         self.state = state  # one reference swap: a scrape sees the old state or the new one
 
     def on_latency(self, kind: str, seconds: float) -> None:
-        (self.ttft if kind == "ttft" else self.itl).observe(seconds)
+        if kind == "ttft":
+            self.ttft.observe(seconds)
+        else:
+            self.itl.observe(seconds)
+            self.tpot.observe(seconds)
 
     def on_step(self, num_tokens: int) -> None:
         self.iteration.observe(num_tokens)
 
-    def on_finished(self, reason: str, e2e_s: float, queue_s: float | None,
-                    prompt_tokens: int, output_tokens: int) -> None:
+    def on_finished(self, reason: str, r: FinishedRequest) -> None:
         self.success.labels(self.model_name, reason).inc()
-        self.e2e.observe(e2e_s)
-        if queue_s is not None:
-            self.queue.observe(queue_s)
-        self.prompt_len.observe(prompt_tokens)
-        self.output_len.observe(output_tokens)
+        self.e2e.observe(r.finished - r.arrived)
+        for histogram, start, end in ((self.queue, r.arrived, r.scheduled),
+                                      (self.prefill, r.scheduled, r.first_token),
+                                      (self.decode, r.first_token, r.finished)):
+            if start is not None and end is not None:
+                histogram.observe(end - start)
+        self.prompt_len.observe(r.prompt_tokens)
+        self.output_len.observe(r.output_tokens)
+        self.max_tokens.observe(r.max_tokens)
 
     # -- HTTP --------------------------------------------------------------------------------
     def serve(self, host: str, port: int) -> str:
@@ -164,6 +196,9 @@ def engine_families(stats: dict, labels: dict):
     yield _family(g, "num_requests_waiting", "Number of requests waiting to be processed.",
                   stats["num_waiting"], labels)
     yield _family(g, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                  stats["num_used_blocks"] / blocks, labels)
+    yield _family(g, "gpu_cache_usage_perc", "KV-cache usage (vLLM's older name, which its "
+                  "example dashboard reads). 1 means 100 percent usage.",
                   stats["num_used_blocks"] / blocks, labels)
     yield _family(c, "num_preemptions", "Cumulative number of preemption from the engine.",
                   stats["num_preemptions"], labels)

@@ -27,7 +27,7 @@ import zmq
 import engine as engine_pkg
 from engine import snapshots
 from engine.device_monitor import DeviceMonitor
-from engine.metrics import EngineMetrics, EngineState
+from engine.metrics import EngineMetrics, EngineState, FinishedRequest
 from engine.sampling_params import SamplingParams
 from engine.server_io import HEARTBEAT_S, WAKE, ClientGone, IOThread
 from ipc import codec
@@ -229,10 +229,9 @@ class EngineServer:
         seq = seq if seq is not None else self.engine.requests.get(rid)
         first = self.first_scheduled.pop(rid, None)
         if self.prometheus is not None and seq is not None and rid in self.owners:
-            self.prometheus.on_finished(
-                reason, time.monotonic() - seq.arrival_time,
-                None if first is None else first - seq.arrival_time,
-                seq.num_prompt_tokens, seq.num_output_tokens)
+            self.prometheus.on_finished(reason, FinishedRequest(
+                seq.arrival_time, first, seq.first_token_time, time.monotonic(),
+                seq.num_prompt_tokens, seq.num_output_tokens, seq.params.max_tokens))
         self.owners.pop(rid, None)
         self.streamed.pop(rid, None)
         self.metrics.forget(rid)

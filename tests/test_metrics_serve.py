@@ -103,6 +103,10 @@ def test_counters_match_the_state_stream(client):
     assert moved("kvscope:request_success_total{finished_reason=length}") == n
     assert moved("kvscope:time_to_first_token_seconds_count") == n
     assert moved("kvscope:e2e_request_latency_seconds_count") == n
+    assert moved("kvscope:request_queue_time_seconds_count") == n
+    assert moved("kvscope:request_prefill_time_seconds_count") == n
+    assert moved("kvscope:request_decode_time_seconds_count") == n
+    assert moved("kvscope:request_max_num_generation_tokens_sum") == 100 * n
     assert moved("kvscope:request_generation_tokens_sum") == received
     assert moved("kvscope:request_prompt_tokens_sum") == sum(len(p) for p in prompts)
     assert moved("kvscope:inter_token_latency_seconds_count") == received - n
@@ -145,6 +149,41 @@ def test_device_topic_and_gauges_match_ps(client):
         frame.kv_pool_bytes
     assert "kvscope:gpu_utilization_ratio" not in metrics
     assert "kvscope:gpu_power_watts" not in metrics
+
+
+# Every series vLLM's example Grafana dashboard
+# (examples/online_serving/prometheus_grafana/grafana.json) queries, with the vllm: prefix
+# replaced: the dashboard works once it reads `kvscope:`.
+GRAFANA_SERIES = [
+    "e2e_request_latency_seconds_bucket", "e2e_request_latency_seconds_sum",
+    "e2e_request_latency_seconds_count", "prompt_tokens_total", "generation_tokens_total",
+    "time_per_output_token_seconds_bucket", "time_per_output_token_seconds_sum",
+    "time_per_output_token_seconds_count", "num_requests_running", "num_requests_waiting",
+    "time_to_first_token_seconds_bucket", "time_to_first_token_seconds_sum",
+    "time_to_first_token_seconds_count", "gpu_cache_usage_perc",
+    "request_prompt_tokens_bucket", "request_generation_tokens_bucket",
+    "request_success_total", "request_queue_time_seconds_sum",
+    "request_prefill_time_seconds_sum", "request_decode_time_seconds_sum",
+    "request_max_num_generation_tokens_sum",
+]
+
+
+def test_vllm_grafana_dashboard_series_are_all_there(client):
+    url = client.hello().metrics_url
+    rid = client.submit([72, 105, 33], {"max_tokens": 5, "ignore_eos": True})
+    list(client.stream(rid, timeout=60))
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    # The dashboard filters every query on model_name.
+    names = {s.name for f in text_string_to_metric_families(text) for s in f.samples
+             if "model_name" in s.labels}
+    missing = [n for n in GRAFANA_SERIES if "kvscope:" + n not in names]
+    assert not missing
+    metrics = scrape(url)
+    assert metrics["kvscope:time_per_output_token_seconds_count"] == \
+        metrics["kvscope:inter_token_latency_seconds_count"]
+    assert metrics["kvscope:gpu_cache_usage_perc"] == metrics["kvscope:kv_cache_usage_perc"]
+    assert metrics["kvscope:request_max_num_generation_tokens_count"] == \
+        metrics["kvscope:e2e_request_latency_seconds_count"]
 
 
 def test_metrics_bind_is_loopback_unless_allowed(capsys):
