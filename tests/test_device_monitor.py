@@ -214,3 +214,32 @@ def test_a_device_frame_round_trips_the_wire(model):
 
     frame = DeviceMonitor(make_engine(model)).sample(seq=7)
     assert codec.decode_state("device", codec.encode(frame)) == frame
+
+
+def test_the_cuda_branch_with_a_fake_card(model, monkeypatch):
+    """No GPU here: the CUDA path runs against torch.cuda's memory calls and NVML, faked, so
+    its wiring (which number lands in which field) is still checked."""
+    GiB = 2**30
+    engine = make_engine(model)
+    engine.device = "cuda:0"  # only the monitor reads it from here on
+    calls = {"mem_get_info": lambda i=0: (60 * GiB, 80 * GiB),
+             "memory_allocated": lambda i=0: 3 * GiB, "memory_reserved": lambda i=0: 4 * GiB,
+             "get_device_name": lambda i=0: "fallback name"}
+    for name, fn in calls.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+
+    class Card(FakeNvml):
+        def nvmlDeviceGetComputeRunningProcesses(self, h):
+            return [SimpleNamespace(pid=os.getpid(), usedGpuMemory=int(4.5 * GiB))]
+
+    frame = DeviceMonitor(engine, nvml=NvmlDevice(Card(), handle=object())).sample()
+    assert (frame.device, frame.name) == ("cuda:0", "NVIDIA H200")
+    assert (frame.memory_total, frame.memory_used, frame.memory_free) == \
+        (80 * GiB, 20 * GiB, 60 * GiB)
+    assert (frame.process_bytes, frame.process_source) == (int(4.5 * GiB), "nvml")
+    weights, kv = frame.weights_bytes, frame.kv_pool_bytes
+    assert frame.activations_bytes == 3 * GiB - weights - kv
+    assert frame.allocator_free_bytes == GiB
+    assert frame.other_bytes == GiB // 2
+    assert (frame.gpu_utilization, frame.power_w, frame.temperature_c) == (87.0, 412.345, 54.0)
+    assert frame.cpu_percent is not None  # the engine's host thread still counts
