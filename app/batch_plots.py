@@ -16,8 +16,8 @@ from PySide6.QtWidgets import (
 )
 
 from app.series import Series
+from app.time_window import WINDOWS, x_range
 
-WINDOWS = {"Last 30 s": 30.0, "Last 5 min": 300.0, "All": None}
 PEN = {"prefill": "#f0a35e", "decode": "#5ec8f0", "budget": "#e06c75", "running": "#98c379",
        "waiting": "#e5c07b", "preempted": "#e06c75", "kv": "#c678dd", "prompt": "#f0a35e",
        "gen": "#5ec8f0", "ttft": "#e5c07b", "itl": "#56b6c2"}
@@ -166,13 +166,10 @@ class BatchPlots(QWidget):
         ends = [x.times()[-1] for x in (self.steps, self.kv, self.stats) if len(x)]
         if not ends:
             return
-        end = max(ends)
-        span = WINDOWS.get(self.window.currentText())
-        start = 0.0 if span is None else max(0.0, end - span)
         self._setting_range = True
         try:
-            first = self.plots["batch"]
-            first.setXRange(start, max(end, start + 1.0), padding=0.02)
+            self.plots["batch"].setXRange(*x_range(max(ends), self.window.currentText()),
+                                          padding=0.02)
         finally:
             self._setting_range = False
 

@@ -10,8 +10,8 @@ import pyqtgraph as pg
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
-from app.batch_plots import WINDOWS
 from app.series import Series
+from app.time_window import WINDOWS, x_range
 
 GIB = float(2**30)
 # (plot, title, [(curve, legend name, colour)])
@@ -140,11 +140,10 @@ class DevicePlots(QWidget):
         if not len(self.util):
             return
         end = float(self.util.times()[-1])
-        span = WINDOWS.get(self.window.currentText())
-        start = 0.0 if span is None else max(0.0, end - span)
         self._setting_range = True
         try:
-            self.plots["util"].setXRange(start, max(end, start + 1.0), padding=0.02)
+            self.plots["util"].setXRange(*x_range(end, self.window.currentText()),
+                                         padding=0.02)
         finally:
             self._setting_range = False
 
