@@ -113,8 +113,10 @@ class DevicePanel(QWidget):
         self.frame = None
         self._bar_dirty = self._labels_dirty = False
         self.plots.clear()
+        self.bar.details = {}
         self.bar.clear()
         self.legend.show_segments([])
+        self.legend.set_details({})
         self.name.setText(NO_DATA)
         for key in self.values:
             self.values[key].setText(device_text.DASH)
@@ -126,6 +128,7 @@ class DevicePanel(QWidget):
         self.plots.refresh()
         if self._bar_dirty:
             self._bar_dirty = False
+            self.bar.details = self._details()
             self.bar.set_segments(memory_segments(self.frame), self.frame.memory_total)
 
     def refresh_labels(self) -> None:
@@ -141,6 +144,11 @@ class DevicePanel(QWidget):
             if text is not None and self.values[key].text() != text:
                 self.values[key].setText(text)
         self.legend.show_segments(memory_segments(f))
+        self.legend.set_details(self._details())
+
+    def _details(self) -> dict[str, str]:
+        listed = device_text.processes(self.frame)
+        return {"other processes": listed} if listed else {}
 
     def _show_row(self, key: str, visible: bool) -> None:
         self.keys[key].setVisible(visible)

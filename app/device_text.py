@@ -61,6 +61,17 @@ def engine_cpu(f) -> str:
     return f"{f.cpu_percent:.0f} % ({share:.1f} % of {f.num_cpus})"
 
 
+def processes(f, most: int = 12) -> str:
+    """The GPU's processes as nvidia-smi lists them, the engine marked; "" without NVML."""
+    lines = []
+    for p in f.processes[:most]:
+        who = "kvscope (this engine)" if p.pid == f.pid else (p.name or "?")
+        lines.append(f"pid {p.pid} {who}: {human_bytes(p.bytes) if p.bytes is not None else DASH}")
+    if len(f.processes) > most:
+        lines.append(f"… and {len(f.processes) - most} more")
+    return "\n".join(lines)
+
+
 def values(f) -> dict[str, str | None]:
     """Key -> text; None: leave the value (and its label) out."""
     out = {

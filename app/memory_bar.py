@@ -23,6 +23,7 @@ class MemoryBar(QWidget):
         super().__init__(parent)
         self.segments: list[Segment] = []
         self.total = 0
+        self.details: dict[str, str] = {}  # segment name -> more lines for its tooltip
         self.setMouseTracking(True)
         self.setFixedHeight(BAR_HEIGHT)
         self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
@@ -53,7 +54,9 @@ class MemoryBar(QWidget):
 
     def describe(self, seg: Segment) -> str:
         share = 100.0 * seg.bytes / self.total if self.total else 0.0
-        return f"{seg.name}: {human_bytes(seg.bytes)} ({share:.1f} % of {human_bytes(self.total)})"
+        text = f"{seg.name}: {human_bytes(seg.bytes)} ({share:.1f} % of {human_bytes(self.total)})"
+        more = self.details.get(seg.name)
+        return f"{text}\n{more}" if more else text
 
     # -- Qt -----------------------------------------------------------------------------------
     def paintEvent(self, _event) -> None:
@@ -90,6 +93,7 @@ class MemoryLegend(QWidget):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.labels: dict[str, QLabel] = {}  # name -> its bytes
+        self.names: dict[str, QLabel] = {}  # name -> its swatch and name
         grid = QGridLayout(self)
         grid.setContentsMargins(0, 0, 0, 0)
         grid.setHorizontalSpacing(3)
@@ -103,10 +107,18 @@ class MemoryLegend(QWidget):
             size.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
             grid.addWidget(swatch, row, 3 * col)
             grid.addWidget(size, row, 3 * col + 1)
-            self.labels[name] = size
+            self.labels[name], self.names[name] = size, swatch
         grid.setColumnMinimumWidth(2, 8)  # a gap between the two entries of a row
         grid.setColumnStretch(2, 1)
         self.show_segments([])
+
+    def set_details(self, details: dict[str, str]) -> None:
+        """More about an entry (the GPU's other processes) as its tooltip."""
+        for name in self.labels:
+            tip = details.get(name, "")
+            for label in (self.labels[name], self.names[name]):
+                if label.toolTip() != tip:
+                    label.setToolTip(tip)
 
     def show_segments(self, segments: list[Segment]) -> None:
         sizes = {s.name: s.bytes for s in segments}

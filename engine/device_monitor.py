@@ -75,13 +75,15 @@ class DeviceMonitor:
                 "kv_cached_bytes": bm.num_cached_free_blocks * per_block}
 
     def sample(self, seq: int = 0) -> m.DeviceFrame:
-        memory = self._cuda_memory() if self.is_cuda else self._cpu_memory()
+        on_card = self.nvml.processes() if self.nvml else {}
+        memory = (self._cuda_memory(on_card.get(os.getpid())) if self.is_cuda
+                  else self._cpu_memory())
         return m.DeviceFrame(
             seq=seq, time=time.time(), pid=os.getpid(), device=str(self.engine.device),
             name=self.name, weights_bytes=self.weights_bytes, **self.kv_parts(), **memory,
             **(self.nvml.busy() if self.nvml else {}),
             cpu_percent=self.process.cpu_percent(None), num_cpus=psutil.cpu_count() or 1,
-            system_cpu_percent=psutil.cpu_percent(None))
+            system_cpu_percent=psutil.cpu_percent(None), processes=gpu_processes(on_card))
 
     def _cpu_memory(self) -> dict:
         vm = psutil.virtual_memory()
@@ -91,13 +93,29 @@ class DeviceMonitor:
                 "memory_free": vm.available, "process_bytes": rss, "process_source": "rss",
                 "other_bytes": max(0, rss - self.weights_bytes - kv)}
 
-    def _cuda_memory(self) -> dict:
+    def _cuda_memory(self, nvml_process: int | None) -> dict:
         free, total = torch.cuda.mem_get_info(self.index)
         allocated = torch.cuda.memory_allocated(self.index)
         reserved = torch.cuda.memory_reserved(self.index)
         return cuda_breakdown(free, total, allocated, reserved, self.weights_bytes,
-                              self.engine.pool.nbytes,
-                              self.nvml.process_bytes(os.getpid()) if self.nvml else None)
+                              self.engine.pool.nbytes, nvml_process)
+
+
+MAX_PROCESSES = 32
+
+
+def gpu_processes(used: dict[int, int | None]) -> list[m.DeviceProcess]:
+    """The card's processes, biggest first, named as ps would name them."""
+    out = [m.DeviceProcess(pid, process_name(pid), nbytes) for pid, nbytes in used.items()]
+    out.sort(key=lambda p: -(p.bytes or 0))
+    return out[:MAX_PROCESSES]
+
+
+def process_name(pid: int) -> str:
+    try:
+        return psutil.Process(pid).name()
+    except (psutil.Error, OSError):
+        return ""  # gone, or outside this container's pid namespace
 
 
 def cuda_breakdown(free: int, total: int, allocated: int, reserved: int, weights: int,

@@ -40,14 +40,22 @@ class NvmlDevice:
             "power_limit_w": None if limit is None else limit / 1000.0,
         }
 
+    def processes(self) -> dict[int, int | None]:
+        """pid -> device memory of every compute and graphics process on the card (None
+        where the driver does not report it)."""
+        found: dict[int, int | None] = {}
+        for query in ("nvmlDeviceGetComputeRunningProcesses",
+                      "nvmlDeviceGetGraphicsRunningProcesses"):
+            fn = getattr(self.nvml, query, None)
+            for p in (_call(fn, self.handle, default=[]) if fn else []):
+                used = p.usedGpuMemory if isinstance(p.usedGpuMemory, int) else None
+                found[p.pid] = used if found.get(p.pid) is None else found[p.pid]
+        return found
+
     def process_bytes(self, pid: int) -> int | None:
         """This process's memory on the card as nvidia-smi lists it; None when NVML cannot
         see it (e.g. a container's pid namespace hides the host pid)."""
-        procs = _call(self.nvml.nvmlDeviceGetComputeRunningProcesses, self.handle, default=[])
-        for p in procs:
-            if p.pid == pid and isinstance(p.usedGpuMemory, int):
-                return p.usedGpuMemory
-        return None
+        return self.processes().get(pid)
 
 
 def _float(x) -> float | None:

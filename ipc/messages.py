@@ -296,6 +296,13 @@ class Heartbeat(msgspec.Struct, kw_only=True):
     bad_frames: int
 
 
+class DeviceProcess(msgspec.Struct, array_like=True):
+    """A process using the GPU, as nvidia-smi and nvitop list them (NVML)."""
+    pid: int
+    name: str  # its command name, "" when this pid namespace cannot see it
+    bytes: int | None  # its device memory; None when the driver does not say
+
+
 class DeviceFrame(msgspec.Struct, kw_only=True):
     """The engine's device, sampled about once a second. Bytes are plain byte counts. A field
     is None when this device or machine cannot tell it (no NVML, no CUDA), never a guess.
@@ -333,6 +340,7 @@ class DeviceFrame(msgspec.Struct, kw_only=True):
     cpu_percent: float | None = None  # the engine process; 100 = one core busy
     num_cpus: int = 1
     system_cpu_percent: float | None = None  # the whole machine, 0-100
+    processes: list[DeviceProcess] = []  # everyone on the GPU, the engine included (NVML)
 
 
 class SnapshotResult(msgspec.Struct):

@@ -149,6 +149,31 @@ def test_bar_pixels_and_tooltips(qtbot):
 
 
 # -- the panel --------------------------------------------------------------------------------
+def test_other_processes_are_listed_like_nvidia_smi(qtbot):
+    from ipc.messages import DeviceProcess
+
+    procs = [DeviceProcess(4321, "python3", 100 * GIB), DeviceProcess(99, "Xorg", 300 * MIB),
+             DeviceProcess(7, "", None)]
+    panel = DevicePanel()
+    qtbot.addWidget(panel)
+    panel.show_device(cuda_frame(processes=procs))
+    panel.refresh()
+    panel.refresh_labels()
+    listed = ("pid 4321 kvscope (this engine): 100.0 GiB\npid 99 Xorg: 300.0 MiB\n"
+              "pid 7 ?: —")
+    other = next(s for s in panel.bar.segments if s.name == "other processes")
+    assert panel.bar.describe(other) == \
+        f"other processes: 10.0 GiB (7.1 % of 140.0 GiB)\n{listed}"
+    assert panel.legend.labels["other processes"].toolTip() == listed
+    assert panel.legend.names["other processes"].toolTip() == listed
+    panel.show_device(cuda_frame(seq=2, t=1001.0))  # NVML gone: no list, no stale tooltip
+    panel.refresh()
+    panel.refresh_labels()
+    assert panel.bar.describe(other) == "other processes: 10.0 GiB (7.1 % of 140.0 GiB)"
+    assert panel.legend.labels["other processes"].toolTip() == ""
+    panel.close()
+
+
 def test_panel_numbers_show_dashes_for_what_was_not_measured(qtbot):
     panel = DevicePanel()
     qtbot.addWidget(panel)

@@ -18,6 +18,8 @@ from engine.llm_engine import LLMEngine
 from engine.nvml import NvmlDevice, open_nvml_device
 
 MiB = 2**20
+# Pids above Linux's largest pid_max (2**22) belong to no process here.
+P1, P7, P42, P99 = (2**22 + i for i in (1, 7, 42, 99))
 
 
 @pytest.fixture(scope="module")
@@ -170,8 +172,13 @@ class FakeNvml:
         return 54
 
     def nvmlDeviceGetComputeRunningProcesses(self, h):
-        return [SimpleNamespace(pid=1, usedGpuMemory=5), SimpleNamespace(pid=4242,
-                                                                         usedGpuMemory=7 * MiB)]
+        return [SimpleNamespace(pid=P1, usedGpuMemory=5),
+                SimpleNamespace(pid=P42, usedGpuMemory=7 * MiB)]
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, h):
+        # A desktop on the same card; the driver may not say how much it holds.
+        return [SimpleNamespace(pid=P7, usedGpuMemory=None),
+                SimpleNamespace(pid=P42, usedGpuMemory=None)]
 
 
 def test_nvml_fields_are_converted_to_plain_units():
@@ -180,19 +187,20 @@ def test_nvml_fields_are_converted_to_plain_units():
     assert dev.busy() == {"gpu_utilization": 87.0, "memory_utilization": 41.0,
                           "memory_clock_mhz": 2619.0, "memory_clock_max_mhz": 3201.0,
                           "temperature_c": 54.0, "power_w": 412.345, "power_limit_w": 700.0}
-    assert dev.process_bytes(4242) == 7 * MiB
-    assert dev.process_bytes(999) is None  # e.g. a container hides the host pid
+    assert dev.process_bytes(P42) == 7 * MiB
+    assert dev.process_bytes(P99) is None  # e.g. a container hides the host pid
+    assert dev.processes() == {P1: 5, P42: 7 * MiB, P7: None}
 
 
 def test_a_failing_nvml_query_leaves_that_field_missing():
     methods = {"nvmlDeviceGetUtilizationRates", "nvmlDeviceGetPowerUsage", "nvmlDeviceGetName",
-               "nvmlDeviceGetComputeRunningProcesses"}
+               "nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"}
     dev = NvmlDevice(FakeNvml(fail=methods), handle=object())
     busy = dev.busy()
     assert busy["gpu_utilization"] is None and busy["power_w"] is None
     assert busy["memory_utilization"] is None
     assert busy["temperature_c"] == 54.0 and busy["power_limit_w"] == 700.0
-    assert dev.name() is None and dev.process_bytes(4242) is None
+    assert dev.name() is None and dev.process_bytes(P42) is None
 
 
 def test_without_nvidia_ml_py_there_is_no_nvml_device(monkeypatch):
@@ -230,7 +238,8 @@ def test_the_cuda_branch_with_a_fake_card(model, monkeypatch):
 
     class Card(FakeNvml):
         def nvmlDeviceGetComputeRunningProcesses(self, h):
-            return [SimpleNamespace(pid=os.getpid(), usedGpuMemory=int(4.5 * GiB))]
+            return [SimpleNamespace(pid=P1, usedGpuMemory=GiB),  # not in our pid namespace
+                    SimpleNamespace(pid=os.getpid(), usedGpuMemory=int(4.5 * GiB))]
 
     frame = DeviceMonitor(engine, nvml=NvmlDevice(Card(), handle=object())).sample()
     assert (frame.device, frame.name) == ("cuda:0", "NVIDIA H200")
@@ -243,3 +252,6 @@ def test_the_cuda_branch_with_a_fake_card(model, monkeypatch):
     assert frame.other_bytes == GiB // 2
     assert (frame.gpu_utilization, frame.power_w, frame.temperature_c) == (87.0, 412.345, 54.0)
     assert frame.cpu_percent is not None  # the engine's host thread still counts
+    me = psutil.Process().name()
+    assert [(p.pid, p.name, p.bytes) for p in frame.processes] == [
+        (os.getpid(), me, int(4.5 * GiB)), (P1, "", GiB), (P7, "", None), (P42, "", None)]
