@@ -33,6 +33,7 @@ class DevicePanel(QWidget):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.frame = None
+        self.stale: str | None = None  # why the numbers stopped updating (engine dead)
         self._bar_dirty = False
         self._labels_dirty = False
         title = QLabel("Device")
@@ -102,15 +103,21 @@ class DevicePanel(QWidget):
     def show_device(self, frame) -> None:
         """Keep the newest frame and append its history; drawing waits for the clocks."""
         self.frame = frame
+        self.stale = None
         self.plots.show_device(frame)
         self._bar_dirty = self._labels_dirty = True
+
+    def mark_stale(self, reason: str) -> None:
+        """The engine is gone: keep its last numbers on screen, but say they are old."""
+        self.stale = reason
+        self._labels_dirty = self.frame is not None
 
     def set_window(self, name: str) -> None:
         self.plots.set_window(name)
 
     def clear(self) -> None:
         """Forget everything (the engine restarted): back to the no-data state."""
-        self.frame = None
+        self.frame, self.stale = None, None
         self._bar_dirty = self._labels_dirty = False
         self.plots.clear()
         self.bar.details = {}
@@ -137,7 +144,9 @@ class DevicePanel(QWidget):
             return
         self._labels_dirty = False
         f = self.frame
-        self.name.setText(device_text.title(f))
+        title = device_text.title(f)
+        self.name.setText(title if self.stale is None else
+                          f"{title} — last sample, not updating ({self.stale})")
         self.name.setToolTip(f"engine process {f.pid}")
         for key, text in device_text.values(f).items():
             self._show_row(key, text is not None)

@@ -127,6 +127,7 @@ class KVCalculatorPanel(QWidget):
     def _build_fits(self) -> QGroupBox:
         self.device_frame = None
         self.engine_block_size: int | None = None
+        self.engine_max_seqs: int | None = None
         self._cell_chosen = False  # the user picked a table cell: the line follows it
         self._setting_cell = False
         self.fits_source = QComboBox()
@@ -235,6 +236,13 @@ class KVCalculatorPanel(QWidget):
         block_size = block_size if isinstance(block_size, int) and block_size > 0 else None
         if block_size != self.engine_block_size:
             self.engine_block_size = block_size
+            self._update_fits()
+
+    def set_engine_max_seqs(self, max_seqs: int | None) -> None:
+        """The engine's max_num_seqs: memory may hold more requests than it runs at once."""
+        max_seqs = max_seqs if isinstance(max_seqs, int) and max_seqs > 0 else None
+        if max_seqs != self.engine_max_seqs:
+            self.engine_max_seqs = max_seqs
             self._update_fits()
 
     def set_device(self, frame) -> None:
@@ -384,9 +392,13 @@ class KVCalculatorPanel(QWidget):
         name = dtype
         if dtype != self.dtype.currentText():  # a row of the table: all its dtypes
             name = " / ".join(next(d for _, d in FIT_ROWS if dtype in d))
+        cap = ""
+        if self.engine_max_seqs is not None and n > self.engine_max_seqs:
+            cap = (f"; the engine runs at most {self.engine_max_seqs:,} at once "
+                   f"(max sequences)")
         _set_text(self.fits_line,
                   f"<b>{n:,}</b> concurrent requests of {length:,} tokens at {name}, "
-                  f"block {bs} ({tokens:,} tokens in all)")
+                  f"block {bs} ({tokens:,} tokens in all){cap}")
 
     def _select_default_cell(self) -> None:
         dtype, bs = self._default_cell()

@@ -213,6 +213,7 @@ class MainWindow(QMainWindow):
             self.kv_calculator.set_engine_kv(frame.engine.get("kv_bytes_per_token"),
                                              frame.engine.get("kv_dtype"))
             self.kv_calculator.set_engine_block_size(frame.engine.get("block_size"))
+            self.kv_calculator.set_engine_max_seqs(frame.config.get("max_num_seqs"))
         elif topic == "device":
             self.device_panel.show_device(frame)
             self.kv_calculator.set_device(frame)
@@ -227,6 +228,7 @@ class MainWindow(QMainWindow):
             return
         self.status.mark_dead(reason)
         self.kv_calculator.set_device(None)  # that device's free memory is no longer known
+        self.device_panel.mark_stale("engine dead")
         self.chat.fail_all(f"engine died: {reason}")
         self.load.fail_all()
         if self.controls.busy:

@@ -306,6 +306,10 @@ def test_window_routes_device_frames_to_the_panel(qtbot, tmp_path, monkeypatch):
     assert w.device_panel.plots.window.currentText() == "Last 5 min"
     w.device_panel.plots.window.setCurrentText("Last 30 s")
     assert w.plots.window.currentText() == "Last 30 s"
+    w.on_engine_dead("no heartbeat for 3.1 s")
+    w.refresh_labels()
+    assert w.device_panel.name.text() == \
+        "cuda:0 · NVIDIA H200 — last sample, not updating (engine dead)"
     monkeypatch.setattr(w, "start", lambda: None)  # no engine to reach in this test
     w.restart_engine()
     assert w.device_panel.frame is None and w.device_panel.name.text() == NO_DATA

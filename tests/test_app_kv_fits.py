@@ -218,6 +218,11 @@ def test_engine_setting_highlighted_and_line_follows_the_picked_cell(qtbot):
         (row_of("bfloat16"), 2)
     assert "<b>119</b> concurrent requests of 4,096 tokens at bfloat16, block 32" in \
         panel.fits_line.text()
+    assert "at most" not in panel.fits_line.text()
+    panel.set_engine_max_seqs(64)  # memory holds 119, the engine runs 64 at once: say so
+    assert "the engine runs at most 64 at once" in panel.fits_line.text()
+    panel.set_engine_max_seqs(256)
+    assert "at most" not in panel.fits_line.text()
     # The user picks a cell: new frames change numbers, not the pick.
     panel.fits_table.setCurrentCell(row_of("fp8"), 5)
     assert panel.fits_choice() == ("int8", 256)  # int8 and fp8 share a row
