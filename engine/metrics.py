@@ -253,6 +253,7 @@ _DEVICE_GAUGES = (  # (DeviceFrame field, metric, help, scale)
     ("memory_utilization", "gpu_memory_bandwidth_utilization_ratio",
      "Share of time device memory was read or written (NVML).", 0.01),
     ("memory_clock_mhz", "gpu_memory_clock_hertz", "Memory clock (NVML).", 1e6),
+    ("memory_clock_max_mhz", "gpu_memory_clock_max_hertz", "Highest memory clock (NVML).", 1e6),
     ("temperature_c", "gpu_temperature_celsius", "GPU temperature (NVML).", 1),
     ("power_w", "gpu_power_watts", "GPU power draw (NVML).", 1),
     ("power_limit_w", "gpu_power_limit_watts", "Enforced GPU power limit (NVML).", 1),
