@@ -105,9 +105,11 @@ def test_window_with_real_engine(qtbot, tmp_path):
 
         # Two chats at once: every used cell is its owner's colour, and selecting a request
         # (from its chat, or by clicking one of its blocks) shows the engine's block table.
-        # The random tiny model may stop early at its EOS; these two must overlap.
-        window.chat.max_tokens.setValue(120)
-        window.chat.sampling = lambda: {"max_tokens": 120, "temperature": 0.0,
+        # The random tiny model may stop early at its EOS; these two must overlap, for long
+        # enough that a GUI starved of CPU by a busy machine still sees frames of both
+        # (2 x ~230 tokens = ~116 of the 128 blocks: no preemption).
+        window.chat.max_tokens.setValue(200)
+        window.chat.sampling = lambda: {"max_tokens": 200, "temperature": 0.0,
                                         "ignore_eos": True}
         rids = []
         for prompt in ("first parallel chat", "second, a different prompt"):
