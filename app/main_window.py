@@ -212,11 +212,11 @@ class MainWindow(QMainWindow):
             self.plots.show_stats(frame)
             self.kv_calculator.set_engine_kv(frame.engine.get("kv_bytes_per_token"),
                                              frame.engine.get("kv_dtype"))
-            self.kv_calculator.set_engine_block_size(frame.engine.get("block_size"))
-            self.kv_calculator.set_engine_max_seqs(frame.config.get("max_num_seqs"))
+            self.kv_calculator.fits.set_engine_block_size(frame.engine.get("block_size"))
+            self.kv_calculator.fits.set_engine_max_seqs(frame.config.get("max_num_seqs"))
         elif topic == "device":
             self.device_panel.show_device(frame)
-            self.kv_calculator.set_device(frame)
+            self.kv_calculator.fits.set_device(frame)
         elif topic == "heartbeat":
             self.status.show_heartbeat(frame)
 
@@ -227,7 +227,7 @@ class MainWindow(QMainWindow):
         if self.closed:
             return
         self.status.mark_dead(reason)
-        self.kv_calculator.set_device(None)  # that device's free memory is no longer known
+        self.kv_calculator.fits.set_device(None)  # that device's free memory is no longer known
         self.device_panel.mark_stale("engine dead")
         self.chat.fail_all(f"engine died: {reason}")
         self.load.fail_all()

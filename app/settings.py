@@ -22,9 +22,10 @@ def _widgets(window) -> dict[str, object]:
         "load/tokens_min": lg.tokens_min, "load/tokens_max": lg.tokens_max,
         "kv/dtype": kv.dtype, "kv/context": kv.context, "kv/requests": kv.requests,
         "kv/dist": kv.dist, "kv/mean": kv.mean, "kv/block_size": kv.block_size,
-        "kv/seed": kv.seed, "kv/headroom": kv.headroom, "kv/request_len": kv.request_len,
+        "kv/seed": kv.seed, "kv/headroom": kv.fits.headroom,
+        "kv/request_len": kv.fits.request_len,
         # Restored in this order: setting the amount switches to manual, the source then wins.
-        "kv/manual_gib": kv.manual_gib, "kv/fits_source": kv.fits_source,
+        "kv/manual_gib": kv.fits.manual_gib, "kv/fits_source": kv.fits.source,
     }
 
 

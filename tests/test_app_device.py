@@ -290,7 +290,7 @@ def test_window_routes_device_frames_to_the_panel(qtbot, tmp_path, monkeypatch):
                    settings=QSettings(str(tmp_path / "s.ini"), QSettings.Format.IniFormat))
     qtbot.addWidget(w)
     to_calculator = []
-    monkeypatch.setattr(w.kv_calculator, "set_device", to_calculator.append, raising=False)
+    monkeypatch.setattr(w.kv_calculator.fits, "set_device", to_calculator.append)
     assert w.device_panel.parent() is w.top_splitter
     assert w.top_splitter.parent() is w.right_splitter
     frame = cuda_frame()

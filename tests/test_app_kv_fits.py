@@ -12,7 +12,8 @@ import pytest
 from PySide6.QtCore import Qt
 
 from app import kv_math
-from app.kv_calculator import FIT_ROWS, MANUAL, SHOW_REQUESTS, THIS_DEVICE, KVCalculatorPanel
+from app.kv_calculator import KVCalculatorPanel
+from app.kv_fits import FIT_ROWS, MANUAL, SHOW_REQUESTS, THIS_DEVICE
 from ipc.messages import DeviceFrame
 
 GiB = 1 << 30
@@ -131,7 +132,7 @@ def test_concurrent_requests_against_an_independent_reference():
 # -- the panel ------------------------------------------------------------------------------
 def cell_numbers(panel, row, col) -> tuple[int, int, int]:
     """(tokens, blocks, requests) from a cell's tooltip: the exact numbers behind its text."""
-    tip = panel.fits_table.item(row, col).toolTip()
+    tip = panel.fits.table.item(row, col).toolTip()
     m = re.search(r"([\d,]+) tokens in ([\d,]+) blocks .*?([\d,]+) requests of", tip)
     assert m, tip
     return tuple(int(g.replace(",", "")) for g in m.groups())
@@ -167,75 +168,75 @@ def test_panel_shows_what_fits_from_a_device_frame(qtbot, preset):
     qtbot.addWidget(panel)
     choose(panel, preset)
     shape = SHAPES[preset]
-    panel.set_device(device_frame())
+    panel.fits.set_device(device_frame())
     avail = int(59.5 * GiB)  # 61.5 free + 2 KV pool - 5 % of 80
-    assert panel.fits_available()[0] == avail
-    text = panel.fits_memory.text()
+    assert panel.fits.available()[0] == avail
+    text = panel.fits.memory.text()
     assert "cuda:0" in text and "61.5 GiB free" in text and "2.0 GiB KV pool" in text
     assert "59.5 GiB" in text and "4.0 GiB headroom" in text
-    length = panel.request_len.value()
+    length = panel.fits.request_len.value()
     for r, (_, dtypes) in enumerate(FIT_ROWS):
         for c, bs in enumerate(kv_math.FIT_BLOCK_SIZES):
             blocks, tokens = ref_tokens(avail, shape, dtypes[0], bs)
             requests = ref_requests(avail, shape, dtypes[0], bs, length)
             assert cell_numbers(panel, r, c) == (tokens, blocks, requests)
-            assert panel.fits_table.item(r, c).text() == human(tokens)
+            assert panel.fits.table.item(r, c).text() == human(tokens)
     if preset.startswith("SmolLM2"):
-        assert panel.fits_table.item(row_of("bfloat16"), 1).text() == "2.77M"
+        assert panel.fits.table.item(row_of("bfloat16"), 1).text() == "2.77M"
     else:
-        assert panel.fits_table.item(row_of("bfloat16"), 0).text() == "195k"
+        assert panel.fits.table.item(row_of("bfloat16"), 0).text() == "195k"
     # The requests view: the same table in concurrent requests of the chosen length.
-    panel.fits_show.setCurrentText(SHOW_REQUESTS)
-    panel.request_len.setValue(4097)
+    panel.fits.table_shows.setCurrentText(SHOW_REQUESTS)
+    panel.fits.request_len.setValue(4097)
     for c, bs in enumerate(kv_math.FIT_BLOCK_SIZES):
         want = ref_requests(avail, shape, "int8", bs, 4097)
-        assert panel.fits_table.item(row_of("int8"), c).text() == human(want)
+        assert panel.fits.table.item(row_of("int8"), c).text() == human(want)
     # The line: the calculator's dtype and block size while no engine is known.
     panel.dtype.setCurrentText("int8")
     panel.block_size.setCurrentText("32")
     want = ref_requests(avail, shape, "int8", 32, 4097)
-    assert panel.fits_line.text().startswith(f"<b>{want:,}</b> concurrent requests of 4,097")
-    assert "at int8, block 32" in panel.fits_line.text()
+    assert panel.fits.line.text().startswith(f"<b>{want:,}</b> concurrent requests of 4,097")
+    assert "at int8, block 32" in panel.fits.line.text()
 
 
 def test_engine_setting_highlighted_and_line_follows_the_picked_cell(qtbot):
     panel = KVCalculatorPanel()
     qtbot.addWidget(panel)
     choose(panel, "Llama-3.1-8B")
-    panel.set_device(device_frame())
+    panel.fits.set_device(device_frame())
     panel.set_engine_kv(131072, "bfloat16")
-    panel.set_engine_block_size(32)
+    panel.fits.set_engine_block_size(32)
     shaded = [(r, c) for r in range(len(FIT_ROWS))
               for c in range(len(kv_math.FIT_BLOCK_SIZES))
-              if panel.fits_table.item(r, c).font().bold()]
+              if panel.fits.table.item(r, c).font().bold()]
     assert shaded == [(row_of("bfloat16"), 2)]
-    item = panel.fits_table.item(row_of("bfloat16"), 2)
+    item = panel.fits.table.item(row_of("bfloat16"), 2)
     assert item.background().style() != Qt.BrushStyle.NoBrush
     assert "running engine" in item.toolTip()
     # The line defaults to the calculator's dtype and the engine's block size.
-    assert panel.fits_choice() == ("bfloat16", 32)
-    assert (panel.fits_table.currentRow(), panel.fits_table.currentColumn()) == \
+    assert panel.fits.choice() == ("bfloat16", 32)
+    assert (panel.fits.table.currentRow(), panel.fits.table.currentColumn()) == \
         (row_of("bfloat16"), 2)
     assert "<b>119</b> concurrent requests of 4,096 tokens at bfloat16, block 32" in \
-        panel.fits_line.text()
-    assert "at most" not in panel.fits_line.text()
-    panel.set_engine_max_seqs(64)  # memory holds 119, the engine runs 64 at once: say so
-    assert "the engine runs at most 64 at once" in panel.fits_line.text()
-    panel.set_engine_max_seqs(256)
-    assert "at most" not in panel.fits_line.text()
+        panel.fits.line.text()
+    assert "at most" not in panel.fits.line.text()
+    panel.fits.set_engine_max_seqs(64)  # memory holds 119, the engine runs 64 at once: say so
+    assert "the engine runs at most 64 at once" in panel.fits.line.text()
+    panel.fits.set_engine_max_seqs(256)
+    assert "at most" not in panel.fits.line.text()
     # The user picks a cell: new frames change numbers, not the pick.
-    panel.fits_table.setCurrentCell(row_of("fp8"), 5)
-    assert panel.fits_choice() == ("int8", 256)  # int8 and fp8 share a row
-    panel.set_device(device_frame(free_gib=30.0))
+    panel.fits.table.setCurrentCell(row_of("fp8"), 5)
+    assert panel.fits.choice() == ("int8", 256)  # int8 and fp8 share a row
+    panel.fits.set_device(device_frame(free_gib=30.0))
     avail = int(28.0 * GiB)
-    assert (panel.fits_table.currentRow(), panel.fits_table.currentColumn()) == \
+    assert (panel.fits.table.currentRow(), panel.fits.table.currentColumn()) == \
         (row_of("fp8"), 5)
     want = ref_requests(avail, SHAPES["Llama-3.1-8B"], "fp8", 256, 4096)
-    assert f"<b>{want:,}</b> concurrent requests" in panel.fits_line.text()
-    assert "at int8 / fp8, block 256" in panel.fits_line.text()
+    assert f"<b>{want:,}</b> concurrent requests" in panel.fits.line.text()
+    assert "at int8 / fp8, block 256" in panel.fits.line.text()
     # Changing the calculator's dtype makes the line follow the calculator again.
     panel.dtype.setCurrentText("float32")
-    assert panel.fits_choice() == ("float32", 32)
+    assert panel.fits.choice() == ("float32", 32)
 
 
 def test_manual_amount_wins_over_device_frames(qtbot):
@@ -243,52 +244,46 @@ def test_manual_amount_wins_over_device_frames(qtbot):
     qtbot.addWidget(panel)
     choose(panel, "Qwen2-7B")
     qwen = SHAPES["Qwen2-7B"]
-    panel.set_device(device_frame())
-    assert panel.fits_source.currentText() == THIS_DEVICE
-    panel.manual_gib.setValue(10.0)  # typing an amount is an override
-    assert panel.fits_source.currentText() == MANUAL
-    assert not panel.headroom.isEnabled()  # headroom is for the device's memory only
+    panel.fits.set_device(device_frame())
+    assert panel.fits.source.currentText() == THIS_DEVICE
+    panel.fits.manual_gib.setValue(10.0)  # typing an amount is an override
+    assert panel.fits.source.currentText() == MANUAL
+    assert not panel.fits.headroom.isEnabled()  # headroom is for the device's memory only
     for free in (70.0, 5.0, 61.5):
-        panel.set_device(device_frame(free_gib=free))
-        assert panel.fits_available()[0] == 10 * GiB
-        assert "manual" in panel.fits_memory.text() and "10.0 GiB" in panel.fits_memory.text()
+        panel.fits.set_device(device_frame(free_gib=free))
+        assert panel.fits.available()[0] == 10 * GiB
+        assert "manual" in panel.fits.memory.text() and "10.0 GiB" in panel.fits.memory.text()
         assert cell_numbers(panel, row_of("bfloat16"), 1)[0] == \
             ref_tokens(10 * GiB, qwen, "bfloat16", 16)[1]
-    assert panel.manual_gib.value() == 10.0  # frames never touch the user's inputs
-    panel.fits_source.setCurrentText(THIS_DEVICE)
-    assert panel.fits_available()[0] == int(59.5 * GiB)
-    assert panel.headroom.isEnabled()
-    panel.headroom.setValue(10.0)
-    assert panel.fits_available()[0] == int(55.5 * GiB)
-    panel.set_device(device_frame())
-    assert panel.headroom.value() == 10.0 and panel.fits_available()[0] == int(55.5 * GiB)
+    assert panel.fits.manual_gib.value() == 10.0  # frames never touch the user's inputs
+    panel.fits.source.setCurrentText(THIS_DEVICE)
+    assert panel.fits.available()[0] == int(59.5 * GiB)
+    assert panel.fits.headroom.isEnabled()
+    panel.fits.headroom.setValue(10.0)
+    assert panel.fits.available()[0] == int(55.5 * GiB)
+    panel.fits.set_device(device_frame())
+    assert panel.fits.headroom.value() == 10.0 and panel.fits.available()[0] == int(55.5 * GiB)
 
 
-def test_no_frame_none_fields_and_headroom_bigger_than_free(qtbot):
+def test_no_frame_and_headroom_bigger_than_free(qtbot):
     panel = KVCalculatorPanel()
     qtbot.addWidget(panel)
     choose(panel, "SmolLM2-135M (embedded)")
     # No engine yet: the manual amount (16 GiB by default) answers.
-    assert panel.fits_available()[0] == 16 * GiB
-    assert "no device report" in panel.fits_memory.text()
+    assert panel.fits.available()[0] == 16 * GiB
+    assert "no device report" in panel.fits.memory.text()
     assert cell_numbers(panel, 0, 0)[0] == \
         ref_tokens(16 * GiB, SHAPES["SmolLM2-135M (embedded)"], "float32", 8)[1]
-    # Fields the engine could not tell.
-    panel.set_device(device_frame(memory_free=None))
-    assert panel.fits_available()[0] == 16 * GiB
-    assert "reports no free memory" in panel.fits_memory.text()
-    panel.set_device(device_frame(kv_pool_bytes=None, weights_bytes=None, memory_total=None))
-    assert panel.fits_available()[0] == int(61.5 * GiB)  # nothing added, no headroom known
     # Headroom bigger than free memory: nothing fits, every cell says 0.
-    panel.set_device(device_frame(free_gib=1.0, pool_gib=0.0))
-    assert panel.fits_available()[0] == 0
-    texts = {panel.fits_table.item(r, c).text() for r in range(len(FIT_ROWS))
+    panel.fits.set_device(device_frame(free_gib=1.0, pool_gib=0.0))
+    assert panel.fits.available()[0] == 0
+    texts = {panel.fits.table.item(r, c).text() for r in range(len(FIT_ROWS))
              for c in range(len(kv_math.FIT_BLOCK_SIZES))}
     assert texts == {"0"}
-    assert panel.fits_line.text().startswith("<b>0</b> concurrent requests")
+    assert panel.fits.line.text().startswith("<b>0</b> concurrent requests")
     # The engine went away.
-    panel.set_device(None)
-    assert panel.fits_available()[0] == 16 * GiB
+    panel.fits.set_device(None)
+    assert panel.fits.available()[0] == 16 * GiB
 
 
 def test_device_frames_do_not_steal_focus_or_rebuild(qtbot):
@@ -296,14 +291,14 @@ def test_device_frames_do_not_steal_focus_or_rebuild(qtbot):
     qtbot.addWidget(panel)
     panel.show()
     qtbot.waitExposed(panel)
-    panel.request_len.setFocus()
-    items = [panel.fits_table.item(r, c) for r in range(len(FIT_ROWS))
+    panel.fits.request_len.setFocus()
+    items = [panel.fits.table.item(r, c) for r in range(len(FIT_ROWS))
              for c in range(len(kv_math.FIT_BLOCK_SIZES))]
     for i in range(5):
-        panel.set_device(device_frame(seq=i, free_gib=60.0 + i))
-    assert panel.request_len.hasFocus() or not panel.isActiveWindow()
-    assert panel.focusWidget() is panel.request_len
-    assert items == [panel.fits_table.item(r, c) for r in range(len(FIT_ROWS))
+        panel.fits.set_device(device_frame(seq=i, free_gib=60.0 + i))
+    assert panel.fits.request_len.hasFocus() or not panel.isActiveWindow()
+    assert panel.focusWidget() is panel.fits.request_len
+    assert items == [panel.fits.table.item(r, c) for r in range(len(FIT_ROWS))
                      for c in range(len(kv_math.FIT_BLOCK_SIZES))]
     panel.close()
 
@@ -312,15 +307,15 @@ def test_calculator_fits_the_narrow_side_dock(qtbot):
     panel = KVCalculatorPanel()
     qtbot.addWidget(panel)
     choose(panel, "Llama-3.1-70B")
-    panel.set_device(device_frame())
+    panel.fits.set_device(device_frame())
     panel.set_engine_kv(327680, "bfloat16")
-    panel.set_engine_block_size(16)
+    panel.fits.set_engine_block_size(16)
     # Everything scrolls vertically; nothing may need more width than the dock gives.
     assert panel.scroll.widget().minimumSizeHint().width() <= 360
     panel.resize(380, 900)
     panel.show()
     qtbot.waitExposed(panel)
-    table = panel.fits_table
+    table = panel.fits.table
     metrics = table.fontMetrics()
     for r in range(len(FIT_ROWS)):
         for c in range(len(kv_math.FIT_BLOCK_SIZES)):

@@ -142,10 +142,10 @@ def test_settings_persist_between_runs(qtbot, tmp_path):
     w.kv_calculator.context.setValue(8192)
     w.side_tabs.setCurrentIndex(2)
     kv = w.kv_calculator
-    kv.manual_gib.setValue(40.0)  # typing an amount switches to manual ...
-    assert kv.fits_source.currentText() != "this device"
-    kv.fits_source.setCurrentText("this device")  # ... and the user switched back
-    kv.headroom.setValue(7.5)
+    kv.fits.manual_gib.setValue(40.0)  # typing an amount switches to manual ...
+    assert kv.fits.source.currentText() != "this device"
+    kv.fits.source.setCurrentText("this device")  # ... and the user switched back
+    kv.fits.headroom.setValue(7.5)
     w.shutdown()
     assert QSettings(path, QSettings.Format.IniFormat).value("window/top_splitter") is not None
     w2 = MainWindow(attach="tcp://127.0.0.1:9",
@@ -155,8 +155,8 @@ def test_settings_persist_between_runs(qtbot, tmp_path):
     assert w2.plots.window.currentText() == "Last 5 min"
     assert w2.kv_calculator.context.value() == 8192 and w2.side_tabs.currentIndex() == 2
     kv2 = w2.kv_calculator
-    assert (kv2.manual_gib.value(), kv2.headroom.value()) == (40.0, 7.5)
-    assert kv2.fits_source.currentText() == "this device"
+    assert (kv2.fits.manual_gib.value(), kv2.fits.headroom.value()) == (40.0, 7.5)
+    assert kv2.fits.source.currentText() == "this device"
     w2.shutdown()
 
 
