@@ -26,8 +26,8 @@ import zmq
 
 import engine as engine_pkg
 from engine import snapshots
-from engine.device_monitor import DeviceMonitor
-from engine.metrics import EngineMetrics, EngineState, FinishedRequest
+from engine.metrics import EngineMetrics, FinishedRequest
+from engine.metrics_feed import DEVICE_INTERVAL, MetricsFeed
 from engine.sampling_params import SamplingParams
 from engine.server_io import HEARTBEAT_S, WAKE, ClientGone, IOThread
 from ipc import codec
@@ -48,8 +48,6 @@ _STOP = object()
 STATE_TOPICS = ("step", "blocks", "stats", "device")  # built by the engine thread
 PUBLISH_BUDGET = 0.01  # share of the engine thread each state topic may take at most
 STATS_INTERVAL = 0.1  # rates and percentiles move slowly: 10 Hz is plenty
-DEVICE_INTERVAL = 1.0  # what nvidia-smi and nvitop sample at; NVML itself averages over ~1 s
-METRICS_INTERVAL = 0.05  # /metrics counters refresh at most this often while busy
 
 
 TOPIC_INTERVAL = {"stats": STATS_INTERVAL, "device": DEVICE_INTERVAL}  # others: 1/state_hz
@@ -69,11 +67,7 @@ class EngineServer:
                  metrics_url: str | None = None) -> None:
         self.engine = engine
         self.prometheus, self.metrics_url = metrics, metrics_url
-        self.device_monitor = DeviceMonitor(engine)
-        self.device: m.DeviceFrame | None = None
-        self.device_at = self.kv_totals_at = self.prometheus_at = float("-inf")
-        self.kv_totals: dict | None = None
-        self.prometheus_version = 0
+        self.feed = MetricsFeed(engine, metrics)
         self.max_message_bytes = max_message_bytes
         self.state_interval = 1.0 / state_hz
         self.max_pending_requests = max_pending_requests
@@ -131,7 +125,7 @@ class EngineServer:
                 if self.engine.has_unfinished():
                     self._step()
                 self._maybe_publish()
-                self._maybe_update_prometheus()
+                self.feed.refresh(self.version)
             self._abort_all()
             self._refuse_queued()
         except BaseException:  # noqa: BLE001 - report, then stop cleanly below
@@ -408,34 +402,8 @@ class EngineServer:
         if topic == "blocks":
             return snapshots.blocks_frame(self.engine, seq)
         if topic == "device":
-            return msgspec.structs.replace(self._device(), seq=seq)
+            return msgspec.structs.replace(self.feed.device(), seq=seq)
         return self._stats(seq)
-
-    def _device(self) -> m.DeviceFrame:
-        """A device sample at most half a second old (the topic and /metrics share it)."""
-        now = time.monotonic()
-        if now - self.device_at >= DEVICE_INTERVAL / 2:
-            self.device, self.device_at = self.device_monitor.sample(), now
-        return self.device
-
-    def _maybe_update_prometheus(self) -> None:
-        """Hand /metrics a fresh state when the engine changed: at most every
-        METRICS_INTERVAL while busy, at once when it goes idle, so totals read at rest are
-        exactly the stream's. The device and the KV waste (a pass over the pool) refresh at
-        DEVICE_INTERVAL."""
-        if self.prometheus is None:
-            return
-        now = time.monotonic()
-        busy = self.engine.has_unfinished()
-        slow_due = now - self.kv_totals_at >= DEVICE_INTERVAL
-        if not slow_due and (self.prometheus_version == self.version
-                             or (busy and now - self.prometheus_at < METRICS_INTERVAL)):
-            return
-        if slow_due or self.kv_totals is None or not busy:
-            self.kv_totals, self.kv_totals_at = snapshots.block_totals(self.engine), now
-        self.prometheus.publish(EngineState(self.engine.stats(), self.kv_totals,
-                                            self._device()))
-        self.prometheus_at, self.prometheus_version = now, self.version
 
     def _stats(self, seq: int) -> m.StatsFrame:
         server = dict(self.counters, bad_frames=self.io.bad_frames,
