@@ -24,3 +24,14 @@ def _app_leak_check(request):
     leaks = app_leaks.check(before)
     if leaks:
         pytest.fail("the test left these running: " + ", ".join(leaks), pytrace=False)
+
+
+@pytest.fixture
+def client(server):
+    """An EngineClient on the test module's `server` (a server_harness.Server). Generous
+    heartbeat timeout: other test processes share the CPUs."""
+    from ipc import EngineClient
+
+    c = EngineClient(server.command, server.state, timeout=60, heartbeat_timeout=15)
+    yield c
+    c.close()

@@ -12,8 +12,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_harness import Server, save_chat_model
 
-from ipc import EngineClient
-
 # A small pool (prefix caching is on by default), so the run preempts and hits the cache.
 ARGS = ["--block-size", "4", "--num-kv-blocks", "40", "--max-num-seqs", "8",
         "--max-num-batched-tokens", "64", "--metrics-port", "0"]
@@ -25,13 +23,6 @@ def server(tmp_path_factory):
     server = Server(model, tmp_path_factory.mktemp("serve") / "serve.log", *ARGS)
     yield server
     server.stop()
-
-
-@pytest.fixture
-def client(server):
-    c = EngineClient(server.command, server.state, timeout=60, heartbeat_timeout=15)
-    yield c
-    c.close()
 
 
 def scrape(url: str) -> dict[str, float]:

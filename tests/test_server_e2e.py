@@ -51,14 +51,6 @@ def reference(model):
     return LLM(EngineConfig(model=str(model), device="cpu", **ENGINE))
 
 
-@pytest.fixture
-def client(server):
-    # Generous heartbeat timeout: other test processes share the CPUs (kill -9 test: 2.5 s).
-    c = EngineClient(server.command, server.state, timeout=60, heartbeat_timeout=15)
-    yield c
-    c.close()
-
-
 def prompts(lengths, seed):
     rng = np.random.default_rng(seed)
     return [rng.integers(1, 250, n).tolist() for n in lengths]

@@ -27,13 +27,6 @@ def server(tmp_path_factory):
     s.stop()
 
 
-@pytest.fixture
-def client(server):
-    c = EngineClient(server.command, server.state, timeout=60, heartbeat_timeout=15)
-    yield c
-    c.close()
-
-
 # -- garbage ---------------------------------------------------------------------------------
 def random_value(rng: random.Random, depth: int = 0):
     kinds = ["int", "float", "str", "bytes", "none", "bool", "bigint"]
