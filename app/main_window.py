@@ -8,17 +8,17 @@ from PySide6.QtGui import QKeySequence, QShortcut
 from PySide6.QtWidgets import QDockWidget, QMainWindow, QSplitter, QTabWidget
 
 from app import settings as app_settings
-from app.batch_plots import BatchPlots
-from app.block_map import BlockMap
+from app.blocks.block_map import BlockMap
 from app.bridge import EngineBridge
-from app.chat_widget import ChatPanel
-from app.controls import ControlsPanel
-from app.device_panel import DevicePanel
+from app.calculator.panel import KVCalculatorPanel
+from app.chat.panel import ChatPanel
+from app.controls.load_generator import LoadGenerator, LoadGeneratorPanel
+from app.controls.panel import ControlsPanel
+from app.device.panel import DevicePanel
 from app.engine_process import EngineProcess
-from app.kv_calculator import KVCalculatorPanel
-from app.load_generator import LoadGenerator, LoadGeneratorPanel
+from app.plots.batch_plots import BatchPlots
 from app.status_bar import EngineStatusBar
-from app.trace_panel import TracePanel, engine_args_from
+from app.traces.panel import TracePanel, engine_args_from
 
 REPAINT_MS = 33
 LABELS_MS = 250

@@ -72,7 +72,7 @@ def log(msg: str) -> None:
 
 # -- options -------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    from engine.cli import add_engine_options
+    from engine.cli.options import add_engine_options
 
     p = argparse.ArgumentParser(
         prog="kvscope bench",
@@ -449,7 +449,7 @@ def run_bench(args) -> dict:
     import torch
 
     from engine import LLM
-    from engine.cli import engine_config_from_args
+    from engine.cli.options import engine_config_from_args
 
     resolve_workload_args(args)
     config = engine_config_from_args(args)

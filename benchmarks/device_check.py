@@ -64,8 +64,8 @@ def main(argv=None) -> int:
     p.add_argument("--tolerance", type=float, default=0.05)
     args = p.parse_args(argv)
     from engine import EngineConfig, SamplingParams
-    from engine.device_monitor import DeviceMonitor
     from engine.llm_engine import LLMEngine
+    from engine.server.device_monitor import DeviceMonitor
 
     engine = LLMEngine(EngineConfig(device=args.device))
     for _ in range(4):

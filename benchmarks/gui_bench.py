@@ -8,13 +8,13 @@
     block table, chat clocks; the real window does this at 4 Hz, counted here every tick: the
     worst case) + processEvents() (Qt paints the dirty widgets). Timed with perf_counter at
     4k and 32k blocks.
-(b) engine throughput with the GUI attached vs headless: a real `engine.serve_cli` process
+(b) engine throughput with the GUI attached vs headless: a real `engine.cli.serve` process
     (--model default: the embedded SmolLM2-135M-Instruct), a fixed greedy workload (ignore_eos,
     so every request makes exactly --max-tokens tokens) driven by ipc.EngineClient, run
     alternately with no subscriber and with a MainWindow in this process attached to the
     engine (subscribed to every topic, repainting at 30 Hz) while the Qt loop runs here.
 
-Options not listed below go to `engine.serve_cli` (--device, --num-kv-blocks, ...).
+Options not listed below go to `engine.cli.serve` (--device, --num-kv-blocks, ...).
 """
 from __future__ import annotations
 

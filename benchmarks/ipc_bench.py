@@ -74,7 +74,7 @@ def bench_blocks_frame(num_blocks: int = 32768, block_size: int = 16, num_seqs: 
                        reps: int = 30) -> dict:
     import msgspec
 
-    from engine.snapshots import blocks_frame
+    from engine.server.snapshots import blocks_frame
     from ipc import codec
 
     engine = filled_engine(num_blocks, block_size, num_seqs)
@@ -103,7 +103,7 @@ def bench_blocks_frame(num_blocks: int = 32768, block_size: int = 16, num_seqs: 
 
 # -- (a) and (c): a live server ----------------------------------------------------------------
 def start_server(serve_args: list[str], threads: int | None):
-    cmd = [sys.executable, "-m", "engine.serve_cli", "--port", "0", *serve_args]
+    cmd = [sys.executable, "-m", "engine.cli.serve", "--port", "0", *serve_args]
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True, env=env)
     line = proc.stdout.readline().split()

@@ -28,9 +28,9 @@ def main(argv=None) -> int:
     from prometheus_client import generate_latest
 
     from engine import EngineConfig, SamplingParams, snapshots
-    from engine.device_monitor import DeviceMonitor
     from engine.llm_engine import LLMEngine
-    from engine.metrics import EngineMetrics, EngineState
+    from engine.server.device_monitor import DeviceMonitor
+    from engine.server.metrics import EngineMetrics, EngineState
 
     # int8 KV keeps a big pool small (8192 blocks of SmolLM2: 1.6 GB) on a CPU box.
     engine = LLMEngine(EngineConfig(model=args.model, num_kv_blocks=args.blocks, kv_dtype="int8",

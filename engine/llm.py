@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
+from engine.chat_template import chat_prompt_ids
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -51,11 +52,7 @@ class LLM:
         return self.generate(prompts, params)
 
     def apply_chat_template(self, messages) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                 tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return chat_prompt_ids(self.tokenizer, messages)
 
     def stats(self) -> dict:
         return self.engine.stats()

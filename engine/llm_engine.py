@@ -55,7 +55,7 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self._ids = itertools.count()
         self._rng = make_generator(config.seed)
-        self.trace = None  # an engine.trace_recorder.TraceRecorder while recording
+        self.trace = None  # an engine.traces.recorder.TraceRecorder while recording
         self._build_pool()
 
     # -- pool ------------------------------------------------------------------------------
@@ -187,15 +187,8 @@ class LLMEngine:
         return self.output_of(seq)
 
     # -- tracing ---------------------------------------------------------------------------
-    def start_trace(self, path, include_prompts: bool = True):
-        """Record this session to a new JSONL trace at path (replaced if it exists; lines are
-        appended and flushed as they happen, see engine/trace_recorder.py)."""
-        from engine.trace_recorder import TraceRecorder
-
-        self.stop_trace()
-        self.trace = TraceRecorder(path, self, include_prompts)
-        return self.trace
-
+    # Recording starts with engine.traces.recorder.start_trace(engine, path): the recorder sits
+    # above the core and attaches itself as `self.trace`.
     def stop_trace(self) -> None:
         if self.trace is not None:
             self.trace.close()

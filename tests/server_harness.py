@@ -1,7 +1,6 @@
 """Run `kvscope serve` as a real subprocess for the server tests, and a chat-capable tiny model."""
 from __future__ import annotations
 
-import inspect
 import os
 import signal
 import subprocess
@@ -35,13 +34,8 @@ def save_chat_model(path: Path, seed: int = 0) -> Path:
 
 
 def serve_command() -> list[str]:
-    """`kvscope serve` as `python -m engine.cli serve` once the CLI routes it, else the
-    serve module directly (same main)."""
-    import engine.cli
-
-    if "serve_cli" in inspect.getsource(engine.cli):
-        return [sys.executable, "-m", "engine.cli", "serve"]
-    return [sys.executable, "-m", "engine.serve_cli"]
+    """`kvscope serve`, through the same entry point a user runs."""
+    return [sys.executable, "-m", "kvscope", "serve"]
 
 
 class Server:

@@ -10,8 +10,8 @@ import pyqtgraph as pg
 from app_fakes import blocks_frame
 
 from app import colors
-from app.block_grid import grid_shape
-from app.block_map import BlockMap
+from app.blocks.block_grid import grid_shape
+from app.blocks.block_map import BlockMap
 
 
 def make(qtbot, frame):

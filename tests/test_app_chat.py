@@ -6,7 +6,7 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 from app_fakes import blocks_frame
 from PySide6.QtCore import Qt
 
-from app.chat_widget import ChatPanel
+from app.chat.panel import ChatPanel
 from ipc.messages import Delta
 
 

@@ -13,11 +13,11 @@ from PySide6.QtCore import QEvent, QPoint, QSettings
 from PySide6.QtGui import QColor, QHelpEvent
 from PySide6.QtWidgets import QApplication, QToolTip
 
-from app.batch_plots import BatchPlots
-from app.device_math import COLORS, NAMES, bar_edges, memory_segments
-from app.device_panel import NO_DATA, DevicePanel
+from app.device.memory_bar import MemoryBar
+from app.device.memory_math import COLORS, NAMES, bar_edges, memory_segments
+from app.device.panel import NO_DATA, DevicePanel
 from app.fmt import human_bytes
-from app.memory_bar import MemoryBar
+from app.plots.batch_plots import BatchPlots
 from ipc.messages import DeviceFrame
 
 GIB = 2**30

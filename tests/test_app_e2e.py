@@ -12,7 +12,7 @@ from PySide6.QtCore import QSettings, Qt
 from tiny_models import save_tiny_model
 
 from app import colors
-from app.block_grid import describe_block, grid_shape
+from app.blocks.block_grid import describe_block, grid_shape
 from app.main_window import MainWindow
 from ipc.messages import BLOCK_STATE_MASK, BLOCK_USED
 

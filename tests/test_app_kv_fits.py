@@ -11,9 +11,9 @@ import re
 import pytest
 from PySide6.QtCore import Qt
 
-from app import kv_math
-from app.kv_calculator import KVCalculatorPanel
-from app.kv_fits import FIT_ROWS, MANUAL, SHOW_REQUESTS, THIS_DEVICE
+from app.calculator import kv_math
+from app.calculator.panel import KVCalculatorPanel
+from app.calculator.what_fits import FIT_ROWS, MANUAL, SHOW_REQUESTS, THIS_DEVICE
 from ipc.messages import DeviceFrame
 
 GiB = 1 << 30

@@ -10,11 +10,11 @@ from app_fakes import blocks_frame, stats_frame, step_frame
 from PySide6.QtCore import QSettings
 from PySide6.QtWidgets import QWidget
 
-from app import kv_math
-from app.batch_plots import BatchPlots
-from app.kv_calculator import KVCalculatorPanel
-from app.load_generator import LoadGenerator
+from app.calculator import kv_math
+from app.calculator.panel import KVCalculatorPanel
+from app.controls.load_generator import LoadGenerator
 from app.main import build_parser, engine_args
+from app.plots.batch_plots import BatchPlots
 from ipc.messages import Delta
 
 
@@ -34,14 +34,14 @@ def test_kv_math_uses_fragsim_without_torch():
     import subprocess
     import sys
 
-    code = "import sys, app.kv_math; print('torch' in sys.modules, 'PySide6' in sys.modules)"
+    code = "import sys, app.calculator.kv_math; print('torch' in sys.modules, 'PySide6' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.split() == ["False", "False"]
 
 
 def test_fragsim_defaults_through_the_app_code():
-    from engine.fragsim import random_lengths
+    from kvmath.fragsim import random_lengths
 
     c = kv_math.compare(random_lengths(1000, 50, 2048, seed=42), max_len=2048, block_size=16)
     assert (round(100 * c.reserved_waste, 1), round(100 * c.paged_waste, 1)) == (48.7, 0.7)

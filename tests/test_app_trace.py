@@ -12,10 +12,10 @@ import pytest
 from tiny_models import save_tiny_model
 
 from app.bridge import EngineBridge
-from app.trace_file import TraceFileError, read_series
-from app.trace_panel import engine_args_from
-from app.trace_record import TraceRecordPanel
-from app.trace_replay import TraceReplayPanel
+from app.traces.file import TraceFileError, read_series
+from app.traces.panel import engine_args_from
+from app.traces.record import TraceRecordPanel
+from app.traces.replay import TraceReplayPanel
 from ipc import messages as m
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,7 +30,7 @@ def model(tmp_path_factory):
 def recorded(model, tmp_path_factory):
     path = tmp_path_factory.mktemp("rec") / "session.jsonl"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    subprocess.run([sys.executable, "-m", "engine.cli", "generate", "hi", "--raw", "--model",
+    subprocess.run([sys.executable, "-m", "kvscope", "generate", "hi", "--raw", "--model",
                     str(model), "--max-tokens", "5", "--trace", str(path)],
                    check=True, cwd=REPO, env=env, capture_output=True, timeout=120)
     return path

@@ -12,7 +12,7 @@ COMMANDS = ["generate", "serve", "bench", "kv-accuracy", "kv-calc", "gui", "trac
 
 
 def kvscope(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "engine.cli", *args], check=False,
+    return subprocess.run([sys.executable, "-m", "kvscope", *args], check=False,
                           capture_output=True,
                           text=True, timeout=timeout)
 

@@ -13,9 +13,9 @@ import torch
 from tiny_models import save_tiny_model
 
 from engine import EngineConfig, SamplingParams
-from engine.device_monitor import DeviceMonitor, cuda_breakdown, unique_bytes
 from engine.llm_engine import LLMEngine
-from engine.nvml import NvmlDevice, open_nvml_device
+from engine.server.device_monitor import DeviceMonitor, cuda_breakdown, unique_bytes
+from engine.server.nvml import NvmlDevice, open_nvml_device
 
 MiB = 2**20
 # Pids above Linux's largest pid_max (2**22) belong to no process here.

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.metrics import EngineMetrics, EngineState, FinishedRequest
+from engine.server.metrics import EngineMetrics, EngineState, FinishedRequest
 from ipc import messages as m
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
-from engine.snapshots import blocks_frame
+from engine.server.snapshots import blocks_frame
 from ipc import codec, endpoints
 from ipc import messages as m
 from ipc.client import _prompt_fields, _sampling

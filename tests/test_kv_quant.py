@@ -11,9 +11,9 @@ from test_engine_tiny import random_prompts
 from tiny_models import save_tiny_model
 
 from engine import LLM, EngineConfig, SamplingParams
-from engine.kv_calc import kv_size
 from engine.scoring import mean_kl, token_log_probs
 from kernels.quant import dequantize, quantize
+from kvmath.kv_size import kv_size
 
 QWEN2_7B = {"num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
             "hidden_size": 3584}
@@ -33,7 +33,7 @@ def test_qwen2_7b_needs_56_kib_per_token_and_53_4_gib_per_million():
 def test_kv_calc_cli(tmp_path):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(QWEN2_7B))
-    out = subprocess.run([sys.executable, "-m", "engine.cli", "kv-calc", "--config", str(cfg),
+    out = subprocess.run([sys.executable, "-m", "kvscope", "kv-calc", "--config", str(cfg),
                           "--dtype", "bf16", "--tokens", "1000000", "--json"],
                          capture_output=True, text=True, check=True)
     result = json.loads(out.stdout)

@@ -243,7 +243,7 @@ def test_kill_9_is_noticed_within_3_seconds(servers):
 
 
 def test_remote_bind_needs_allow_remote(capsys):
-    from engine import serve_cli
+    from engine.cli import serve as serve_cli
 
     assert serve_cli.main(["--host", "0.0.0.0", "--port", "0"]) == 2
     assert "--allow-remote" in capsys.readouterr().err

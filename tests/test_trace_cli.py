@@ -8,10 +8,10 @@ import pytest
 from test_trace_record import record
 from tiny_models import save_tiny_model
 
-from engine.fragsim_cli import main as fragsim
-from engine.trace_cli import main as trace_cli
-from engine.trace_recorder import read_trace
-from engine.trace_schema import Arrival, Step
+from engine.cli.fragsim import main as fragsim
+from engine.cli.trace import main as trace_cli
+from engine.traces.reader import read_trace
+from engine.traces.schema import Arrival, Step
 
 
 @pytest.fixture(scope="module")

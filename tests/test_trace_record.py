@@ -8,10 +8,22 @@ import torch
 from tiny_models import save_tiny_model
 
 from engine import EngineConfig, SamplingParams
-from engine.cli import main as kvscope
+from engine.cli.main import main as kvscope
 from engine.llm_engine import LLMEngine
-from engine.trace_recorder import TraceError, outputs_of, read_trace, request_lengths
-from engine.trace_schema import Abort, Alloc, Arrival, Finish, Free, Preempt, Step, Token
+from engine.traces.reader import outputs_of, read_trace
+from engine.traces.recorder import start_trace
+from engine.traces.schema import (
+    Abort,
+    Alloc,
+    Arrival,
+    Finish,
+    Free,
+    Preempt,
+    Step,
+    Token,
+    TraceError,
+)
+from engine.traces.workload import request_lengths
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +39,7 @@ def prompts(lengths, seed=7):
 def record(model, path, include_prompts=True, **cfg):
     cfg = {"block_size": 4, "num_kv_blocks": 24, "max_num_batched_tokens": 64, **cfg}
     engine = LLMEngine(EngineConfig(model=str(model), **cfg))
-    engine.start_trace(path, include_prompts)
+    start_trace(engine, path, include_prompts)
     ps = prompts([20, 30, 25, 18])
     ids = [engine.add_request(p, SamplingParams(max_tokens=30, ignore_eos=True)) for p in ps]
     while engine.has_unfinished():
@@ -88,7 +100,7 @@ def test_no_prompts_records_lengths_only(model, tmp_path):
 def test_abort_is_recorded(model, tmp_path):
     path = tmp_path / "t.jsonl"
     engine = LLMEngine(EngineConfig(model=str(model), block_size=4, num_kv_blocks=64))
-    engine.start_trace(path)
+    start_trace(engine, path)
     rid = engine.add_request([5] * 10, SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
     engine.abort_request(rid)
@@ -168,11 +180,11 @@ def test_generate_trace_option(model, tmp_path, capsys):
 
 
 def test_reconfigure_mid_session_frees_blocks_and_is_recorded(model, tmp_path):
-    from engine.trace_schema import Reconfigure
+    from engine.traces.schema import Reconfigure
 
     path = tmp_path / "t.jsonl"
     engine = LLMEngine(EngineConfig(model=str(model), block_size=4, num_kv_blocks=64))
-    engine.start_trace(path)
+    start_trace(engine, path)
     rid = engine.add_request([5] * 10, SamplingParams(max_tokens=6, ignore_eos=True))
     engine.step()
     engine.reconfigure(block_size=8, num_kv_blocks=32)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 from server_harness import Server, save_chat_model
 
-from engine.trace_recorder import outputs_of, read_trace
-from engine.trace_schema import Arrival, Finish
+from engine.traces.reader import outputs_of, read_trace
+from engine.traces.schema import Arrival, Finish
 from ipc import EngineClient, EngineError
 
 
@@ -51,7 +51,7 @@ def test_kill_9_mid_generation_keeps_every_flushed_line(tmp_path):
     import signal
     import time
 
-    from engine.trace_schema import Step, Token
+    from engine.traces.schema import Step, Token
 
     model = save_chat_model(tmp_path / "chat", seed=2)
     path = tmp_path / "killed.jsonl"

@@ -1,0 +1,283 @@
+"""The KV pool as a grid: one cell per physical block, drawn as ONE pyqtgraph ImageItem.
+
+Each cell is an index into a colour lookup table (app.colors): owner colour (stable per
+request id), brightness by fill level, distinct free / cached / shared colours, and the
+blocks of a selected request kept bright while the rest is dimmed. Hover a cell for its
+details; click it to select its request and see the block table (logical -> physical).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import QPointF, Qt, Signal
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QHBoxLayout,
+    QHeaderView,
+    QLabel,
+    QSizePolicy,
+    QTableWidget,
+    QTableWidgetItem,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app import colors
+from app.blocks.block_grid import (
+    SlotCache,
+    block_indices,
+    describe_block,
+    grid_image,
+    grid_shape,
+    request_table,
+)
+from app.fmt import human_bytes
+
+GRID_LINES_MAX_BLOCKS = 8192
+
+
+class BlockMap(QWidget):
+    requestSelected = Signal(str)  # "" when the selection was cleared
+    blockHovered = Signal(int)  # -1 when the pointer left the grid
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.frame = None
+        self.selected: str | None = None
+        self.hovered = -1
+        self.bytes_per_token: int | None = None
+        self.shape = (1, 1)
+        self._dirty = False
+        self._slots = SlotCache()
+        self._lut = colors.build_lut()
+        self.plot = pg.PlotWidget(background="#16181d")
+        self.plot.setObjectName("blockMapPlot")
+        self.plot.hideAxis("left")
+        self.plot.hideAxis("bottom")
+        self.plot.setMenuEnabled(False)
+        self.plot.hideButtons()
+        vb = self.plot.getViewBox()
+        vb.invertY(True)
+        vb.setAspectLocked(True)
+        vb.setDefaultPadding(0.01)
+        self.image = pg.ImageItem(axisOrder="row-major")
+        self.plot.addItem(self.image)
+        # Cell borders: one line item for the whole grid (hidden when cells get tiny).
+        self.grid = pg.PlotCurveItem(pen=pg.mkPen(22, 24, 29, 255, width=1), connect="pairs")
+        self.grid.setZValue(1)
+        self.plot.addItem(self.grid)
+        self.plot.scene().sigMouseMoved.connect(self._on_mouse_moved)
+        self.plot.scene().sigMouseClicked.connect(self._on_mouse_clicked)
+
+        self.title = QLabel("KV block map")
+        self.title.setObjectName("panelTitle")
+        self.hover_label = QLabel("Hover a block for details; click one to select its request")
+        self.hover_label.setObjectName("hoverLabel")
+        self.hover_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.hover_label.setWordWrap(True)  # else its longest text sets the map's least width
+        self.legend = QLabel(self._legend_html())
+        self.legend.setObjectName("legend")
+        self.legend.setWordWrap(True)
+        self.totals = QLabel("no engine state yet")
+        self.totals.setObjectName("totals")
+        self.totals.setWordWrap(True)
+        self.selection_label = QLabel("No request selected")
+        self.selection_label.setWordWrap(True)
+        self.table = QTableWidget(0, 3)
+        self.table.setObjectName("blockTable")
+        self.table.setHorizontalHeaderLabels(["logical", "physical", "filled"])
+        self.table.verticalHeader().setVisible(False)
+        self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
+        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.table.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Expanding)
+
+        side = QVBoxLayout()
+        side.addWidget(self.legend)
+        side.addWidget(self.totals)
+        side.addWidget(self.selection_label)
+        side.addWidget(self.table, 1)
+        side_w = QWidget()
+        side_w.setLayout(side)
+        side_w.setFixedWidth(250)
+        left = QVBoxLayout()
+        left.addWidget(self.title)
+        left.addWidget(self.plot, 1)
+        left.addWidget(self.hover_label)
+        row = QHBoxLayout(self)
+        row.setContentsMargins(4, 4, 4, 4)
+        row.addLayout(left, 1)
+        row.addWidget(side_w)
+
+    # -- input ------------------------------------------------------------------------------
+    def show_blocks(self, frame) -> None:
+        """Keep the newest frame; the image is redrawn on the next refresh()."""
+        self.frame = frame
+        self._dirty = True
+
+    def show_stats(self, stats) -> None:
+        self.bytes_per_token = stats.engine.get("kv_bytes_per_token")
+
+    def select_request(self, request_id: str | None) -> None:
+        """Highlight a request's blocks and show its block table (None: clear)."""
+        request_id = request_id or None
+        if request_id == self.selected:
+            return
+        self.selected = request_id
+        self._dirty = True
+        self.refresh()
+        self.refresh_labels()
+        self.requestSelected.emit(request_id or "")
+
+    # -- drawing ----------------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Redraw the image if a new frame or selection arrived (the ~30 Hz path)."""
+        if not self._dirty or self.frame is None:
+            return
+        self._dirty = False
+        frame = self.frame
+        shape = grid_shape(frame.num_blocks)
+        img = grid_image(block_indices(frame, self.selected, self._slots), shape)
+        self.image.setImage(img, lut=self._lut, levels=(0, len(self._lut)), autoLevels=False)
+        if shape != self.shape:
+            self.shape = shape
+            self._draw_grid(shape, frame.num_blocks)
+            self.plot.getViewBox().setRange(xRange=(0, shape[1]), yRange=(0, shape[0]),
+                                            padding=0.01)
+
+    def _draw_grid(self, shape: tuple[int, int], num_blocks: int) -> None:
+        rows, cols = shape
+        if num_blocks > GRID_LINES_MAX_BLOCKS:
+            self.grid.setData([], [])
+            return
+        xs, ys = [], []
+        for c in range(cols + 1):
+            xs += [c, c]
+            ys += [0, rows]
+        for r in range(rows + 1):
+            xs += [0, cols]
+            ys += [r, r]
+        self.grid.setData(np.array(xs, float), np.array(ys, float), connect="pairs")
+
+    def refresh_labels(self) -> None:
+        """Totals, hover text and the block table (a few times a second)."""
+        frame = self.frame
+        if frame is None:
+            return
+        self.totals.setText(self._totals_html(frame))
+        if 0 <= self.hovered < frame.num_blocks:
+            self.hover_label.setText(describe_block(frame, self.hovered))
+        self._show_table(frame)
+
+    def _show_table(self, frame) -> None:
+        rid = self.selected
+        if rid is None:
+            self.selection_label.setText("No request selected — click a block or a chat reply")
+            self.table.setRowCount(0)
+            return
+        if rid not in frame.request_ids:
+            self.selection_label.setText(f"<b>{rid}</b>: not in the engine (finished)")
+            self.table.setRowCount(0)
+            return
+        i = frame.request_ids.index(rid)
+        table = request_table(frame, rid)
+        filled = frame.array("filled")
+        status = "running" if frame.request_running[i] else "waiting"
+        rgb = colors.hex_color(colors.request_rgb(rid))
+        self.selection_label.setText(
+            f"<span style='color:{rgb}'>■</span> <b>{rid}</b> ({status}): "
+            f"{frame.num_tokens[i]} tokens, {frame.num_computed_tokens[i]} computed, "
+            f"{len(table)} blocks — contiguous logically, scattered physically")
+        self.table.setRowCount(len(table))
+        for logical, physical in enumerate(table):
+            for col, text in enumerate((str(logical), str(physical),
+                                        f"{int(filled[physical])}/{frame.block_size}")):
+                item = self.table.item(logical, col)
+                if item is None:
+                    self.table.setItem(logical, col, QTableWidgetItem(text))
+                elif item.text() != text:
+                    item.setText(text)
+
+    def _totals_html(self, frame) -> str:
+        n, bs = frame.num_blocks, frame.block_size
+        per_block = self.bytes_per_token * bs if self.bytes_per_token else None
+        used_slots = frame.used * bs
+        waste = frame.internal_waste_slots
+        waste_pct = 100 * waste / used_slots if used_slots else 0.0
+        lines = [
+            (f"<b>{frame.used}</b> used · <b>{frame.free}</b> free · <b>{frame.cached}</b> "
+             f"cached of <b>{n}</b> blocks × {bs} tokens"),
+            f"{frame.tokens_stored:,} tokens stored in {len(frame.request_ids)} requests",
+        ]
+        if per_block:
+            lines.append(f"KV memory: {human_bytes(frame.used * per_block)} used of "
+                         f"{human_bytes(n * per_block)}")
+        lines.append(f"internal waste: {waste:,} slots ({waste_pct:.1f} % of used)"
+                     + (f", {human_bytes(waste * self.bytes_per_token)}"
+                        if self.bytes_per_token else ""))
+        if frame.reserved_max_len_blocks:
+            ratio = frame.reserved_max_len_blocks / max(1, frame.used)
+            lines.append(f"reserving max length: {frame.reserved_max_len_blocks:,} blocks "
+                         f"({ratio:.1f}× paged); prompt+max_tokens: "
+                         f"{frame.reserved_request_blocks:,}")
+        return "<br>".join(lines)
+
+    @staticmethod
+    def _legend_html() -> str:
+        def sw(rgb, text):
+            return f"<span style='color:{colors.hex_color(rgb)}'>■</span> {text}"
+
+        examples = " ".join(f"<span style='color:{colors.hex_color(colors.request_rgb(r))}'>"
+                            f"■</span>" for r in ("req-1", "req-2", "req-3", "req-4"))
+        return (f"{examples} owned (colour per request, brighter = fuller)<br>"
+                f"{sw(colors.FREE_RGB, 'free')} &nbsp; {sw(colors.CACHED_RGB, 'cached')} "
+                f"&nbsp; {sw(colors.SHARED_RGB, 'shared (ref &gt; 1)')}")
+
+    def rendered_image(self):
+        """The QImage the ImageItem draws, rendered from the current data (tests, export)."""
+        if self.image.image is not None:
+            self.image.render()
+        return self.image.qimage
+
+    # -- mouse --------------------------------------------------------------------------------
+    def block_at(self, scene_pos: QPointF) -> int:
+        """Block id under a scene position, -1 when none."""
+        if self.frame is None:
+            return -1
+        p = self.image.mapFromScene(scene_pos)
+        row, col = int(np.floor(p.y())), int(np.floor(p.x()))
+        rows, cols = self.shape
+        if not (0 <= row < rows and 0 <= col < cols):
+            return -1
+        block = row * cols + col
+        return block if block < self.frame.num_blocks else -1
+
+    def block_scene_pos(self, block: int) -> QPointF:
+        """Centre of a block's cell in scene coordinates (tests, tooltips)."""
+        cols = self.shape[1]
+        return self.image.mapToScene(QPointF(block % cols + 0.5, block // cols + 0.5))
+
+    def _on_mouse_moved(self, scene_pos) -> None:
+        block = self.block_at(scene_pos)
+        if block != self.hovered:
+            self.hovered = block
+            self.blockHovered.emit(block)
+        if block >= 0:
+            text = describe_block(self.frame, block)
+            self.hover_label.setText(text)
+            self.plot.setToolTip(text)
+        else:
+            self.plot.setToolTip("")
+
+    def _on_mouse_clicked(self, event) -> None:
+        if event.button() != Qt.MouseButton.LeftButton:
+            return
+        self.click_block(self.block_at(event.scenePos()))
+
+    def click_block(self, block: int) -> None:
+        """Select the request owning a block; a free block clears the selection."""
+        frame = self.frame
+        if frame is None or block < 0:
+            return
+        owner = int(frame.array("owner")[block])
+        rid = frame.request_ids[owner] if 0 <= owner < len(frame.request_ids) else None
+        self.select_request(rid)

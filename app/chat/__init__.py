@@ -1,0 +1,1 @@
+"""The chat view: conversations, the streaming reply and per-reply stats."""

@@ -1,0 +1,313 @@
+"""Chat: several conversations, replies streamed in by appending only the new text.
+
+Deltas are buffered by the bridge and arrive here ~30 times a second; each batch becomes one
+insertText at the end of the document per reply, never a re-render of the transcript.
+Click a reply's header to select its request in the block map.
+"""
+from __future__ import annotations
+
+import html
+import itertools
+import time
+import uuid
+
+from PySide6.QtCore import Qt, QUrl, Signal
+from PySide6.QtGui import QColor, QKeyEvent, QTextBlockFormat, QTextCharFormat, QTextCursor
+from PySide6.QtWidgets import (
+    QDoubleSpinBox,
+    QHBoxLayout,
+    QLabel,
+    QPlainTextEdit,
+    QPushButton,
+    QSpinBox,
+    QTabWidget,
+    QTextBrowser,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app import colors
+from app.chat.turn import Turn
+
+
+class ChatInput(QPlainTextEdit):
+    """Enter sends, Shift+Enter inserts a newline."""
+
+    sendRequested = Signal()
+
+    def keyPressEvent(self, event: QKeyEvent) -> None:
+        if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter) and \
+                not event.modifiers() & Qt.KeyboardModifier.ShiftModifier:
+            self.sendRequested.emit()
+            return
+        super().keyPressEvent(event)
+
+
+class ConversationView(QTextBrowser):
+    """One transcript. Everything is appended at the end of the document."""
+
+    requestClicked = Signal(str)
+
+    def __init__(self, index: int, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.index = index
+        self.messages: list[dict] = []
+        self.turn: Turn | None = None  # the reply in flight, if any
+        self.setOpenLinks(False)
+        self.setOpenExternalLinks(False)
+        self.anchorClicked.connect(self._anchor)
+        self._text_format = QTextCharFormat()
+        self._text_format.setForeground(QColor("#e6e6e6"))
+
+    def _end(self) -> QTextCursor:
+        cursor = QTextCursor(self.document())
+        cursor.movePosition(QTextCursor.MoveOperation.End)
+        return cursor
+
+    def _new_block(self, spacing: int = 10) -> QTextCursor:
+        """A new paragraph at the end (the first one reuses the empty document block)."""
+        cursor = self._end()
+        if not self.document().isEmpty():
+            fmt = QTextBlockFormat()
+            fmt.setTopMargin(spacing)
+            cursor.insertBlock(fmt, QTextCharFormat())
+        return cursor
+
+    def _follow(self) -> bool:
+        bar = self.verticalScrollBar()
+        return bar.value() >= bar.maximum() - 4
+
+    def _scroll(self, follow: bool) -> None:
+        if follow:
+            self.verticalScrollBar().setValue(self.verticalScrollBar().maximum())
+
+    def append_user(self, text: str) -> None:
+        self.messages.append({"role": "user", "content": text})
+        body = html.escape(text).replace("\n", "<br>")
+        cursor = self._new_block()
+        cursor.insertHtml(f"<b style='color:#8ab4f8'>You</b><br>{body}")
+        self._scroll(True)
+
+    def begin_reply(self, turn: Turn) -> None:
+        self.turn = turn
+        rgb = colors.hex_color(colors.request_rgb(turn.request_id))
+        cursor = self._new_block()
+        cursor.insertHtml(
+            f"<a href='request:{turn.request_id}' style='color:{rgb};text-decoration:none'>"
+            f"<b>■ Assistant</b> <span style='color:#8a8f98'>"
+            f"({html.escape(turn.request_id)})</span></a>")
+        self._new_block(spacing=0)
+
+    def append_reply_text(self, text: str) -> None:
+        if text:
+            follow = self._follow()
+            self._end().insertText(text, self._text_format)
+            self._scroll(follow)
+
+    def end_reply(self, turn: Turn) -> None:
+        follow = self._follow()
+        color = "#e06c75" if turn.error else "#8a8f98"
+        note = f"⚠ {html.escape(turn.error)}<br>" if turn.error else ""
+        self._new_block(spacing=2).insertHtml(
+            f"<span style='color:{color};font-size:small'>{note}"
+            f"{html.escape(turn.stats_text())}</span>")
+        self.messages.append({"role": "assistant", "content": turn.text})
+        self.turn = None
+        self._scroll(follow)
+
+    def clear_conversation(self) -> None:
+        self.messages.clear()
+        self.clear()
+
+    def _anchor(self, url: QUrl) -> None:
+        text = url.toString()
+        if text.startswith("request:"):
+            self.requestClicked.emit(text.removeprefix("request:"))
+
+
+class ChatPanel(QWidget):
+    submitRequested = Signal(str, object, object)  # request id, messages, sampling dict
+    abortRequested = Signal(str)
+    requestSelected = Signal(str)
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.turns: dict[str, Turn] = {}
+        self._numbers = itertools.count(1)
+        self.tabs = QTabWidget()
+        self.tabs.setTabsClosable(True)
+        self.tabs.setDocumentMode(True)
+        self.tabs.tabCloseRequested.connect(self.close_conversation)
+        self.tabs.currentChanged.connect(lambda _i: self._update_buttons())
+        self.new_button = QPushButton("New")
+        self.new_button.setToolTip("New conversation (Ctrl+N)")
+        self.new_button.clicked.connect(self.new_conversation)
+        self.clear_button = QPushButton("Clear")
+        self.clear_button.clicked.connect(self.clear_conversation)
+        self.phase_label = QLabel("")
+        self.phase_label.setObjectName("phaseLabel")
+        self.input = ChatInput()
+        self.input.setPlaceholderText("Message the model — Enter sends, Shift+Enter newline, "
+                                      "Esc stops")
+        self.input.setFixedHeight(70)
+        self.input.sendRequested.connect(self.send)
+        self.send_button = QPushButton("Send")
+        self.send_button.setObjectName("sendButton")
+        self.send_button.clicked.connect(self.send)
+        self.stop_button = QPushButton("Stop")
+        self.stop_button.setObjectName("stopButton")
+        self.stop_button.clicked.connect(self.stop)
+        self.max_tokens = QSpinBox()
+        self.max_tokens.setRange(1, 32768)
+        self.max_tokens.setValue(256)
+        self.max_tokens.setPrefix("max ")
+        self.max_tokens.setSuffix(" tok")
+        self.temperature = QDoubleSpinBox()
+        self.temperature.setRange(0.0, 2.0)
+        self.temperature.setSingleStep(0.1)
+        self.temperature.setValue(0.7)
+        self.temperature.setPrefix("T ")
+
+        top = QHBoxLayout()
+        title = QLabel("Chat")
+        title.setObjectName("panelTitle")
+        top.addWidget(title)
+        top.addStretch(1)
+        top.addWidget(self.new_button)
+        top.addWidget(self.clear_button)
+        bottom = QHBoxLayout()
+        bottom.addWidget(self.max_tokens)
+        bottom.addWidget(self.temperature)
+        bottom.addStretch(1)
+        bottom.addWidget(self.stop_button)
+        bottom.addWidget(self.send_button)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        layout.addLayout(top)
+        layout.addWidget(self.tabs, 1)
+        layout.addWidget(self.phase_label)
+        layout.addWidget(self.input)
+        layout.addLayout(bottom)
+        self.new_conversation()
+
+    # -- conversations ----------------------------------------------------------------------
+    def conversation(self, index: int | None = None) -> ConversationView:
+        return self.tabs.widget(self.tabs.currentIndex() if index is None else index)
+
+    def _by_number(self, number: int) -> ConversationView | None:
+        for i in range(self.tabs.count()):
+            if self.tabs.widget(i).index == number:
+                return self.tabs.widget(i)
+        return None
+
+    def new_conversation(self) -> ConversationView:
+        view = ConversationView(next(self._numbers))
+        view.requestClicked.connect(self.select_request)
+        self.tabs.addTab(view, f"Chat {view.index}")
+        self.tabs.setCurrentWidget(view)
+        self.input.setFocus()
+        return view
+
+    def clear_conversation(self) -> None:
+        view = self.conversation()
+        if view.turn is not None:
+            self.abortRequested.emit(view.turn.request_id)
+        view.clear_conversation()
+
+    def close_conversation(self, index: int) -> None:
+        view = self.conversation(index)
+        if view.turn is not None:
+            self.abortRequested.emit(view.turn.request_id)
+        self.tabs.removeTab(index)
+        view.deleteLater()
+        if self.tabs.count() == 0:
+            self.new_conversation()
+
+    # -- commands ---------------------------------------------------------------------------
+    def sampling(self) -> dict:
+        return {"max_tokens": self.max_tokens.value(), "temperature": self.temperature.value()}
+
+    def send(self) -> str | None:
+        """Send the input as the next user message; returns the new request id."""
+        text = self.input.toPlainText().strip()
+        view = self.conversation()
+        if not text or view.turn is not None:
+            return None
+        self.input.clear()
+        view.append_user(text)
+        turn = Turn(f"chat-{uuid.uuid4().hex[:8]}", view.index)
+        self.turns[turn.request_id] = turn
+        view.begin_reply(turn)
+        self.submitRequested.emit(turn.request_id, list(view.messages), self.sampling())
+        self._update_buttons()
+        return turn.request_id
+
+    def stop(self) -> None:
+        view = self.conversation()
+        if view.turn is not None:
+            self.abortRequested.emit(view.turn.request_id)
+
+    def select_request(self, request_id: str) -> None:
+        self.requestSelected.emit(request_id)
+
+    # -- engine facts -------------------------------------------------------------------------
+    def on_deltas(self, deltas: list) -> None:
+        """Append each reply's new text once per batch (deltas of other clients are ignored)."""
+        now = time.monotonic()
+        pending: dict[str, list[str]] = {}
+        for d in deltas:
+            turn = self.turns.get(d.request_id)
+            if turn is None or turn.done:
+                continue
+            turn.on_delta(d, now)
+            pending.setdefault(d.request_id, []).append(d.text)
+        for rid, texts in pending.items():
+            turn = self.turns[rid]
+            view = self._by_number(turn.conversation)
+            if view is None:
+                continue
+            view.append_reply_text("".join(texts))
+            if turn.done:
+                view.end_reply(turn)
+        if pending:
+            self._update_buttons()
+
+    def on_blocks(self, frame) -> None:
+        for turn in self.turns.values():
+            if not turn.done:
+                turn.on_blocks(frame)
+
+    def on_submit_failed(self, request_id: str, message: str) -> None:
+        self._fail(request_id, message)
+
+    def fail_all(self, reason: str) -> None:
+        """The engine died: every reply in flight is marked failed, none left spinning."""
+        for rid, turn in list(self.turns.items()):
+            if not turn.done:
+                self._fail(rid, reason)
+
+    def _fail(self, request_id: str, message: str) -> None:
+        turn = self.turns.get(request_id)
+        if turn is None or turn.done:
+            return
+        turn.fail(message)
+        view = self._by_number(turn.conversation)
+        if view is not None and view.turn is turn:
+            view.end_reply(turn)
+        self._update_buttons()
+
+    def in_flight(self) -> list[Turn]:
+        return [t for t in self.turns.values() if not t.done]
+
+    def refresh_labels(self) -> None:
+        """The current conversation's phase line (a few times a second)."""
+        view = self.conversation()
+        turn = view.turn if view is not None else None
+        self.phase_label.setText("" if turn is None else f"● {turn.phase_text()}")
+
+    def _update_buttons(self) -> None:
+        view = self.conversation()
+        busy = view is not None and view.turn is not None
+        self.send_button.setEnabled(not busy)
+        self.stop_button.setEnabled(busy)
+        self.refresh_labels()

@@ -1,0 +1,1 @@
+"""Steering the engine: block size, KV dtype, budgets, and the load generator."""

@@ -1,0 +1,1 @@
+"""The device view: memory breakdown bar, NVML numbers, utilization and memory history."""

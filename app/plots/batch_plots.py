@@ -1,0 +1,185 @@
+"""Batch and memory over time: tokens per step against the budget, queue depths, KV usage,
+throughput and latency. Frames only append to arrays; refresh() (the ~30 Hz timer) sets the
+curves' data when something changed, so a burst of frames costs one redraw."""
+from __future__ import annotations
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import Signal
+from PySide6.QtWidgets import (
+    QComboBox,
+    QHBoxLayout,
+    QLabel,
+    QSizePolicy,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.plots.series import Series
+from app.plots.time_window import WINDOWS, x_range
+
+PEN = {"prefill": "#f0a35e", "decode": "#5ec8f0", "budget": "#e06c75", "running": "#98c379",
+       "waiting": "#e5c07b", "preempted": "#e06c75", "kv": "#c678dd", "prompt": "#f0a35e",
+       "gen": "#5ec8f0", "ttft": "#e5c07b", "itl": "#56b6c2"}
+
+
+class BatchPlots(QWidget):
+    windowChanged = Signal(str)
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.t0: float | None = None
+        self.last_step = -1
+        self.steps = Series(("prefill", "decode", "budget", "running", "waiting"))
+        self.frames = Series(("preempted",))
+        self.kv = Series(("usage",))
+        self.stats = Series(("prompt", "gen", "ttft", "itl"))
+        self._dirty = False
+        self.following = True
+        self._setting_range = False
+        self.window = QComboBox()
+        self.window.addItems(list(WINDOWS))
+        self.window.currentTextChanged.connect(self.set_window)
+        self.summary = QLabel("")
+        self.summary.setObjectName("plotSummary")
+        # Clip rather than widen: its longest text would otherwise set the window's least width.
+        self.summary.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.layout_widget = pg.GraphicsLayoutWidget()
+        self.layout_widget.setBackground("#16181d")
+        self.plots: dict[str, pg.PlotItem] = {}
+        self.curves: dict[str, pg.PlotDataItem] = {}
+        specs = [("batch", "batch tokens / step", [("prefill", True), ("decode", True),
+                                                   ("budget", False)]),
+                 ("queues", "requests", [("running", False), ("waiting", False),
+                                         ("preempted", False)]),
+                 ("kv", "KV usage %", [("kv", True)]),
+                 ("tput", "tokens / s", [("prompt", False), ("gen", False)]),
+                 ("latency", "latency p50 (ms)", [("ttft", False), ("itl", False)])]
+        first = None
+        for i, (key, title, curves) in enumerate(specs):
+            plot = self.layout_widget.addPlot(row=i // 2, col=i % 2, title=title)
+            plot.showGrid(x=True, y=True, alpha=0.2)
+            plot.setAutoVisible(y=True)
+            plot.setMenuEnabled(False)
+            legend = plot.addLegend(offset=(5, 5), labelTextSize="8pt")
+            legend.setBrush(pg.mkBrush(22, 24, 29, 180))
+            if first is None:
+                first = plot
+            else:
+                plot.setXLink(first)
+            plot.getViewBox().sigRangeChangedManually.connect(self._user_moved)
+            for name, filled in curves:
+                style = {"pen": pg.mkPen(PEN[name], width=1.5), "name": name}
+                if name == "budget":
+                    style["pen"] = pg.mkPen(PEN[name], width=1, style=pg.QtCore.Qt.PenStyle.DashLine)
+                if filled:
+                    style.update(fillLevel=0, brush=pg.mkBrush(PEN[name] + "40"))
+                curve = plot.plot([], [], **style)
+                curve.setClipToView(True)
+                curve.setDownsampling(auto=True, method="peak")
+                self.curves[name] = curve
+            self.plots[key] = plot
+        self.plots["kv"].setYRange(0, 100)
+        self.plots["kv"].disableAutoRange(axis="y")
+        top = QHBoxLayout()
+        title = QLabel("Batch & memory")
+        title.setObjectName("panelTitle")
+        top.addWidget(title)
+        top.addWidget(self.summary, 1)
+        top.addWidget(QLabel("window"))
+        top.addWidget(self.window)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        layout.addLayout(top)
+        layout.addWidget(self.layout_widget, 1)
+
+    def _rel(self, t: float) -> float:
+        if self.t0 is None:
+            self.t0 = t
+        return t - self.t0
+
+    # -- frames -------------------------------------------------------------------------------
+    def show_step(self, frame) -> None:
+        for rec in frame.history:
+            if rec.step <= self.last_step:
+                continue
+            self.last_step = rec.step
+            self.steps.append(self._rel(rec.time), prefill=rec.prefill_tokens,
+                              decode=rec.decode_tokens, budget=frame.token_budget,
+                              running=rec.num_running, waiting=rec.num_waiting)
+        self.frames.append(self._rel(frame.time), preempted=frame.num_preempted)
+        self._dirty = True
+
+    def show_blocks(self, frame) -> None:
+        self.kv.append(self._rel(frame.time), usage=100.0 * frame.used / max(1, frame.num_blocks))
+        self._dirty = True
+
+    def show_stats(self, frame) -> None:
+        ms = 1000.0
+        self.stats.append(self._rel(frame.time), prompt=frame.prompt_tokens_per_s,
+                          gen=frame.generation_tokens_per_s,
+                          ttft=None if frame.ttft_s.p50 is None else frame.ttft_s.p50 * ms,
+                          itl=None if frame.itl_s.p50 is None else frame.itl_s.p50 * ms)
+        self.summary.setText(
+            f"gen {frame.generation_tokens_per_s:,.0f} tok/s · prompt "
+            f"{frame.prompt_tokens_per_s:,.0f} tok/s · TTFT p50/p90 {_ms(frame.ttft_s.p50)}/"
+            f"{_ms(frame.ttft_s.p90)} · ITL p50/p90 {_ms(frame.itl_s.p50)}/"
+            f"{_ms(frame.itl_s.p90)} · KV {100 * frame.kv_usage:.0f} %")
+        self.summary.setToolTip(self.summary.text())  # the label clips in a narrow window
+        self._dirty = True
+
+    # -- view -----------------------------------------------------------------------------------
+    def set_window(self, name: str) -> None:
+        if name in WINDOWS and self.window.currentText() != name:
+            self.window.setCurrentText(name)  # re-enters through currentTextChanged
+            return
+        self.following = True
+        self._dirty = True
+        self.windowChanged.emit(name)
+        self.refresh()
+
+    def _user_moved(self, *_args) -> None:
+        if not self._setting_range:
+            self.following = False  # pan/zoom by hand: stop following the newest data
+
+    def refresh(self) -> None:
+        if not self._dirty:
+            return
+        self._dirty = False
+        s = self.steps
+        t = s.times()
+        for name in ("prefill", "decode", "budget", "running", "waiting"):
+            self.curves[name].setData(t, s.values(name))
+        self.curves["preempted"].setData(self.frames.times(), self.frames.values("preempted"))
+        self.curves["kv"].setData(self.kv.times(), self.kv.values("usage"))
+        st = self.stats.times()
+        for name in ("prompt", "gen"):
+            self.curves[name].setData(st, self.stats.values(name))
+        for name in ("ttft", "itl"):
+            v = self.stats.values(name)
+            ok = ~np.isnan(v)
+            self.curves[name].setData(st[ok], v[ok])
+        if self.following:
+            self._follow()
+
+    def _follow(self) -> None:
+        ends = [x.times()[-1] for x in (self.steps, self.kv, self.stats) if len(x)]
+        if not ends:
+            return
+        self._setting_range = True
+        try:
+            self.plots["batch"].setXRange(*x_range(max(ends), self.window.currentText()),
+                                          padding=0.02)
+        finally:
+            self._setting_range = False
+
+    def clear(self) -> None:
+        for s in (self.steps, self.frames, self.kv, self.stats):
+            s.clear()
+        self.t0, self.last_step, self._dirty = None, -1, True
+        self.refresh()
+
+
+def _ms(x: float | None) -> str:
+    return "—" if x is None else f"{x * 1000:.0f} ms"
+

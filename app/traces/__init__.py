@@ -1,0 +1,1 @@
+"""Session traces in the window: record, replay against other settings, compare."""

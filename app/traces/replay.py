@@ -1,0 +1,260 @@
+"""Open a trace, replay it against the settings in the controls (`kvscope trace replay` in a
+QProcess: the GUI stays live), overlay the two runs and show `kvscope trace compare` ratios."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from PySide6.QtCore import QProcess, Signal
+from PySide6.QtWidgets import (
+    QFileDialog,
+    QHBoxLayout,
+    QLabel,
+    QProgressBar,
+    QPushButton,
+    QTableWidget,
+    QTableWidgetItem,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.engine_process import engine_qprocess
+from app.traces.file import TraceFileError, read_series
+from app.traces.plot import TraceOverlayPlot
+
+COMPARE_KEYS = ("duration_s", "throughput_tok_s", "steps", "ttft_p50_ms", "ttft_p90_ms",
+                "itl_p50_ms", "itl_p90_ms", "preemptions", "kv_usage_peak", "kv_usage_mean",
+                "internal_waste_mean", "output_tokens")
+
+
+def trace_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvscope", "trace", *args]
+
+
+def replay_output_path(trace: str) -> str:
+    stem = str(Path(trace).with_suffix(""))
+    return f"{stem}.replay-{time.strftime('%Y%m%d-%H%M%S')}-{int(time.time() * 1000) % 1000:03d}.jsonl"
+
+
+def _last_json(data: bytes):
+    for line in reversed(data.decode(errors="replace").splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                return None
+    return None
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+class TraceReplayPanel(QWidget):
+    """engine_args: a callable returning the engine options to replay with (the controls'
+    settings as CLI flags); the trace's own model is used when they name none."""
+
+    finished = Signal(bool)  # replay + compare done (True) or failed (False)
+
+    def __init__(self, engine_args=None, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.engine_args = engine_args or list
+        self.trace: str | None = None
+        self.replay_path: str | None = None
+        self.recorded = None
+        self.summary: dict | None = None
+        self.comparison: dict | None = None
+        self.proc: QProcess | None = None
+        self._stage = ""
+        self._out = b""
+        self._err = b""
+        self.open_button = QPushButton("Open trace…")
+        self.open_button.clicked.connect(self.browse)
+        self.replay_button = QPushButton("Replay with current settings")
+        self.replay_button.setObjectName("traceReplayButton")
+        self.replay_button.setEnabled(False)
+        self.replay_button.clicked.connect(self.replay)
+        self.cancel_button = QPushButton("Cancel")
+        self.cancel_button.setEnabled(False)
+        self.cancel_button.clicked.connect(self.cancel)
+        self.trace_label = QLabel("no trace open")
+        self.trace_label.setWordWrap(True)
+        self.progress = QProgressBar()
+        self.progress.setRange(0, 0)
+        self.progress.setTextVisible(False)
+        self.progress.setMaximumHeight(6)
+        self.progress.hide()
+        self.status = QLabel("")
+        self.status.setObjectName("traceReplayStatus")
+        self.status.setWordWrap(True)
+        self.plot = TraceOverlayPlot()
+        self.table = QTableWidget(0, 4)
+        self.table.setHorizontalHeaderLabels(["", "recorded", "replay", "replay / recorded"])
+        self.table.verticalHeader().hide()
+        buttons = QHBoxLayout()
+        buttons.addWidget(self.open_button)
+        buttons.addWidget(self.replay_button)
+        buttons.addWidget(self.cancel_button)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addLayout(buttons)
+        layout.addWidget(self.trace_label)
+        layout.addWidget(self.progress)
+        layout.addWidget(self.status)
+        layout.addWidget(self.plot, 2)
+        layout.addWidget(self.table, 1)
+
+    @property
+    def busy(self) -> bool:
+        return self.proc is not None
+
+    # -- opening --------------------------------------------------------------------------
+    def browse(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Open trace", str(Path.home()),
+                                              "kvscope traces (*.jsonl);;All files (*)")
+        if path:
+            self.open_trace(path)
+
+    def open_trace(self, path: str) -> bool:
+        try:
+            series = read_series(path)
+        except (OSError, TraceFileError) as exc:
+            self.trace_label.setText(f"could not open the trace: {exc}")
+            return False
+        self.trace, self.recorded = path, series
+        self.replay_path = self.summary = self.comparison = None
+        self.plot.clear_runs()
+        self.plot.show_run("recorded", series)
+        self.table.setRowCount(0)
+        h = series.header
+        note = " (cut off at the end)" if series.truncated else ""
+        self.trace_label.setText(
+            f"{path}{note}\n{h.get('model')} · block {h.get('block_size')} · KV "
+            f"{h.get('kv_dtype')} · {len(series.t)} steps")
+        self.replay_button.setEnabled(not self.busy)
+        self.status.setText("")
+        return True
+
+    # -- replay and compare -------------------------------------------------------------
+    def replay(self) -> None:
+        if self.trace is None or self.busy:
+            return
+        args = list(self.engine_args())
+        if "--model" not in args and self.recorded.header.get("model"):
+            args = ["--model", str(self.recorded.header["model"]), *args]
+        self.replay_path = replay_output_path(self.trace)
+        self.summary = self.comparison = None
+        self.plot.clear_run("replay")
+        self.table.setRowCount(0)
+        self._start("replay", trace_command("replay", self.trace, "--speed", "max", "--json",
+                                            "-o", self.replay_path, *args))
+        self.status.setText("replaying (as fast as the engine goes)…")
+
+    def _start(self, stage: str, argv: list[str]) -> None:
+        self._stage, self._out, self._err = stage, b"", b""
+        proc = engine_qprocess(self)
+        proc.readyReadStandardOutput.connect(self._read)
+        proc.readyReadStandardError.connect(self._read)
+        proc.finished.connect(self._finished)
+        proc.errorOccurred.connect(self._error)
+        self.proc = proc
+        self._set_busy(True)
+        proc.start(argv[0], argv[1:])
+
+    def _read(self) -> None:
+        if self.proc is not None:
+            self._out += bytes(self.proc.readAllStandardOutput())
+            self._err += bytes(self.proc.readAllStandardError())
+
+    def _finished(self, code: int, _status) -> None:
+        self._read()
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            proc.deleteLater()
+        result = _last_json(self._out) if code == 0 else None
+        if result is None:
+            tail = "\n".join(self._err.decode(errors="replace").strip().splitlines()[-4:])
+            self._fail(f"{self._stage} failed (exit code {code})" + (f":\n{tail}" if tail else ""))
+            return
+        if self._stage == "replay":
+            self.on_replayed(result)
+        else:
+            self.on_compared(result)
+
+    def _error(self, error) -> None:
+        if error == QProcess.ProcessError.FailedToStart and self.proc is not None:
+            proc, self.proc = self.proc, None
+            self._fail(f"could not start {self._stage}: {proc.errorString()}")
+            proc.deleteLater()
+
+    def on_replayed(self, summary: dict) -> None:
+        self.summary = summary
+        try:
+            self.plot.show_run("replay", read_series(self.replay_path))
+        except (OSError, TraceFileError) as exc:
+            self._fail(f"could not read the replay: {exc}")
+            return
+        rejected = summary.get("rejected") or {}
+        same = summary.get("outputs_identical")
+        outputs = ("outputs identical" if same else "outputs differ" if same is False
+                   else f"outputs not compared: {summary.get('outputs_not_compared')}")
+        self.status.setText(
+            f"replayed {summary.get('requests')} requests in {_fmt(summary.get('duration_s'))} s"
+            f" ({summary.get('steps')} steps, {_fmt(summary.get('throughput_tok_s'))} tok/s); "
+            f"{outputs}" + (f"; {len(rejected)} rejected" if rejected else "")
+            + f"\n→ {self.replay_path}")
+        self._start("compare", trace_command("compare", self.trace, self.replay_path, "--json"))
+
+    def on_compared(self, result: dict) -> None:
+        self._set_busy(False)
+        self.comparison = result
+        a, b, ratio = result.get("a", {}), result.get("b", {}), result.get("ratio", {})
+        keys = [k for k in COMPARE_KEYS if k in a] + [k for k in ratio if k not in COMPARE_KEYS]
+        self.table.setRowCount(len(keys))
+        for row, key in enumerate(keys):
+            r = ratio.get(key)
+            for col, text in enumerate((key, _fmt(a.get(key)), _fmt(b.get(key)),
+                                        "—" if r is None else f"{r:.3g}×")):
+                self.table.setItem(row, col, QTableWidgetItem(text))
+        self.table.resizeColumnsToContents()
+        self.finished.emit(True)
+
+    def _fail(self, message: str) -> None:
+        self._set_busy(False)
+        self.status.setText(message)
+        self.finished.emit(False)
+
+    def _set_busy(self, busy: bool) -> None:
+        self.progress.setVisible(busy)
+        self.cancel_button.setEnabled(busy)
+        self.open_button.setEnabled(not busy)
+        self.replay_button.setEnabled(not busy and self.trace is not None)
+
+    def cancel(self) -> None:
+        if self.stop():
+            self._fail("cancelled")
+
+    def stop(self) -> bool:
+        """Kill a running replay/compare and wait for it; True if one was running."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return False
+        proc.finished.disconnect(self._finished)
+        proc.errorOccurred.disconnect(self._error)
+        if proc.state() != QProcess.ProcessState.NotRunning:
+            proc.kill()
+            proc.waitForFinished(5000)
+        proc.deleteLater()
+        return True
+
+    def closeEvent(self, event) -> None:
+        self.stop()
+        super().closeEvent(event)
+

@@ -1,0 +1,1 @@
+"""The engine's commands (generate, serve, trace, fragsim, kv-calc); `kvscope/` routes to them."""

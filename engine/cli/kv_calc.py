@@ -1,0 +1,36 @@
+"""`kvscope kv-calc`: KV bytes per token and in total for any Hugging Face config."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvmath.kv_size import human_bytes, kv_size, load_config
+
+
+def add_parser(sub) -> None:
+    calc = sub.add_parser("kv-calc", help="KV bytes per token and in total for a model config")
+    calc.add_argument("--config", required=True,
+                      help="config.json, a checkpoint folder or an inline JSON object")
+    calc.add_argument("--dtype", default="bf16",
+                      help="float32|fp32|float16|fp16|bfloat16|bf16|int8|fp8")
+    calc.add_argument("--tokens", type=int, default=1_000_000)
+    calc.add_argument("--json", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        size = kv_size(load_config(args.config), args.dtype)
+    except (ValueError, KeyError, OSError) as exc:
+        print(f"kvscope kv-calc: error: {exc}", file=sys.stderr)
+        return 2
+    total = size.total_bytes(args.tokens)
+    if args.json:
+        print(json.dumps({"bytes_per_token": size.bytes_per_token, "total_bytes": total,
+                          "tokens": args.tokens, "dtype": args.dtype, "layers": size.layers,
+                          "kv_heads": size.kv_heads, "head_dim": size.head_dim}))
+    else:
+        print(f"{size.layers} layers x {size.kv_heads} KV heads x {size.head_dim} dims, "
+              f"{args.dtype}: {human_bytes(size.bytes_per_token)} per token, "
+              f"{human_bytes(total)} for {args.tokens:,} tokens")
+    return 0

@@ -1,0 +1,41 @@
+"""The engine options every command shares (--model, --block-size, --kv-dtype, ...)."""
+from __future__ import annotations
+
+import argparse
+
+from engine.config import DEFAULT_KV_CACHE_BYTES, KV_DTYPES, MODEL_DTYPES, EngineConfig
+
+
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine options")
+    g.add_argument("--model", default="default",
+                   help='"default" (embedded SmolLM2-135M-Instruct), a checkpoint folder or a .gguf')
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--dtype", default="auto", choices=MODEL_DTYPES)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES)
+    g.add_argument("--kv-cache-bytes", type=parse_bytes, default=DEFAULT_KV_CACHE_BYTES,
+                   help="KV memory budget, e.g. 268435456, 256M or 1G")
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=512)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def parse_bytes(text: str) -> int:
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def engine_config_from_args(args) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+        kv_dtype=args.kv_dtype, kv_cache_bytes=args.kv_cache_bytes,
+        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching, seed=args.seed)

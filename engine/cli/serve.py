@@ -1,0 +1,137 @@
+"""`kvscope serve`: a headless engine process speaking the ZeroMQ protocol (ipc/).
+
+On success stdout carries exactly one line, `ready <command endpoint> <state endpoint>`, so a
+parent process can wait for it; everything else goes to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import sys
+
+from engine.cli.options import add_engine_options, engine_config_from_args, parse_bytes
+from ipc import endpoints
+from ipc.messages import DEFAULT_MAX_MESSAGE_BYTES
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvscope serve",
+        description="Run the engine headless: commands on a ROUTER socket (tcp://HOST:PORT), "
+                    "the live state on a PUB socket (tcp://HOST:PORT+1).")
+    p.add_argument("--host", default=endpoints.DEFAULT_HOST,
+                   help="address to bind (default 127.0.0.1; others need --allow-remote)")
+    p.add_argument("--port", type=int, default=endpoints.DEFAULT_PORT,
+                   help="command port; the state stream uses the next one; 0 picks free ports")
+    p.add_argument("--endpoint", help="command endpoint instead of --host/--port, e.g. "
+                                      "ipc:///tmp/kvscope.sock or tcp://127.0.0.1:6000")
+    p.add_argument("--state-endpoint",
+                   help="state endpoint (default: tcp port + 1, or PATH.state for ipc://)")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="allow binding a non-loopback address (the protocol has no "
+                        "authentication: anyone who can connect controls the engine)")
+    p.add_argument("--max-message-bytes", type=parse_bytes, default=DEFAULT_MAX_MESSAGE_BYTES,
+                   help="larger command messages are dropped by ZeroMQ (ZMQ_MAXMSGSIZE)")
+    p.add_argument("--state-hz", type=float, default=30.0,
+                   help="most state frames per second and topic (default 30)")
+    p.add_argument("--metrics-port", type=int, metavar="P",
+                   help="serve Prometheus metrics at http://HOST:P/metrics (off by default; "
+                        "0 picks a free port; the URL is printed on stderr and in hello)")
+    p.add_argument("--metrics-host",
+                   help="address for /metrics (default: --host; others need --allow-remote)")
+    p.add_argument("--trace", metavar="PATH", help="record the session to a JSONL trace")
+    p.add_argument("--no-prompts", action="store_true",
+                   help="with --trace: record prompt lengths, not the prompt token ids")
+    add_engine_options(p)
+    return p
+
+
+def resolve_endpoints(args) -> tuple[str, str]:
+    if args.endpoint:
+        command = args.endpoint
+        state = args.state_endpoint
+        if state is None:
+            state = (endpoints.tcp(endpoints.split_tcp(command)[0], "*")
+                     if command.endswith((":0", ":*")) else endpoints.state_endpoint_for(command))
+        return command, state
+    if not 0 <= args.port < 65535:
+        raise ValueError(f"--port {args.port} is not a port number")
+    state_port = args.port + 1 if args.port else 0
+    return (endpoints.tcp(args.host, args.port),
+            args.state_endpoint or endpoints.tcp(args.host, state_port))
+
+
+def metrics_address(args) -> tuple[str, int] | None:
+    if args.metrics_port is None:
+        return None
+    if not 0 <= args.metrics_port < 65536:
+        raise ValueError(f"--metrics-port {args.metrics_port} is not a port number")
+    host = args.metrics_host or (args.host if not args.endpoint else endpoints.DEFAULT_HOST)
+    return host, args.metrics_port
+
+
+def check_remote(eps, allow_remote: bool) -> None:
+    remote = [e for e in eps if not endpoints.is_local(e)]
+    if remote and not allow_remote:
+        raise ValueError(f"refusing to bind {', '.join(remote)}: not a loopback address. The "
+                         f"protocol has no authentication; pass --allow-remote if you mean it")
+    if remote:
+        print(f"kvscope serve: WARNING: listening on {', '.join(remote)} without "
+              f"authentication: anyone who can reach it can run and stop requests",
+              file=sys.stderr, flush=True)
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if not args.state_hz > 0:
+            raise ValueError(f"--state-hz {args.state_hz} must be > 0")
+        eps = resolve_endpoints(args)
+        metrics_at = metrics_address(args)
+        check_remote([*eps, *([endpoints.tcp(*metrics_at)] if metrics_at else [])],
+                     args.allow_remote)
+    except ValueError as exc:
+        print(f"kvscope serve: error: {exc}", file=sys.stderr)
+        return 2
+    import zmq
+
+    from engine.llm_engine import LLMEngine
+    from engine.server.engine_server import EngineServer
+    from engine.server.metrics import EngineMetrics
+    from engine.traces.recorder import start_trace
+
+    metrics = metrics_url = None
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # stdout is for the ready line only
+            engine = LLMEngine(engine_config_from_args(args))
+        if metrics_at:
+            metrics = EngineMetrics(engine.config.model, engine.max_model_len,
+                                    engine.config.max_num_batched_tokens)
+            metrics_url = metrics.serve(*metrics_at)
+            print(f"kvscope serve: Prometheus metrics at {metrics_url}", file=sys.stderr,
+                  flush=True)
+        if args.trace:
+            start_trace(engine, args.trace, include_prompts=not args.no_prompts)
+        server = EngineServer(engine, *eps, max_message_bytes=args.max_message_bytes,
+                              state_hz=args.state_hz, metrics=metrics, metrics_url=metrics_url)
+    except (ValueError, OSError, zmq.ZMQError) as exc:
+        print(f"kvscope serve: error: {exc}", file=sys.stderr)
+        if metrics is not None:
+            metrics.close()
+        return 2
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: server.request_stop())
+    command, state = server.start()
+    print(f"ready {command} {state}", flush=True)
+    while not server.wait(0.25):  # short waits so the signal handlers get to run
+        pass
+    server.close()
+    if metrics is not None:
+        metrics.close()
+    engine.stop_trace()
+    return 1 if server.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

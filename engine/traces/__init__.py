@@ -1,0 +1,1 @@
+"""Session traces: the JSONL schema, the recorder the engine calls, the reader and workloads."""

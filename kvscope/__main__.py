@@ -1,0 +1,6 @@
+"""`python -m kvscope` is the `kvscope` command."""
+import sys
+
+from kvscope.main import main
+
+sys.exit(main())
