@@ -99,6 +99,10 @@ class EngineServer:
 
     # -- lifecycle (main thread) -----------------------------------------------------------
     def start(self) -> tuple[str, str]:
+        # /metrics gets the engine's state before anyone is told the server is up, so a
+        # scrape right after `ready` already sees every family (the engine thread is not
+        # running yet: no race on the engine).
+        self.feed.refresh(self.version)
         self.io.start()
         self.thread.start()
         return self.endpoints
