@@ -11,6 +11,7 @@ Threads:
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 from PySide6.QtCore import QObject, QThread, QTimer, Signal, Slot
 
@@ -39,11 +40,30 @@ class Mailbox:
         with self._lock:
             self._deltas.append(delta)
 
+    def pending(self) -> int:
+        """Frames waiting for the next drain (one per topic at most)."""
+        with self._lock:
+            return len(self._frames)
+
     def take(self) -> tuple[dict[str, object], list]:
         with self._lock:
             frames, self._frames = self._frames, {}
             deltas, self._deltas = self._deltas, []
         return frames, deltas
+
+
+@dataclass(frozen=True)
+class StreamCounts:
+    """The state stream as the window saw it: nothing is dropped silently.
+
+    received: frames that reached this process; shown: the newest-per-topic frames handed to
+    the views; coalesced: received but replaced by a newer frame of the same topic before the
+    window's next tick (received - shown); lost: frames the engine published that never
+    arrived (gaps in the per-topic sequence numbers)."""
+    received: int
+    shown: int
+    coalesced: int
+    lost: int
 
 
 def plain_prompt(messages: list[dict]) -> str:
@@ -137,6 +157,12 @@ class CommandWorker(QObject):
             self.commandFailed.emit("shutdown", _message(exc))
 
 
+def _lost(client) -> int:
+    """Frames a client saw go missing (sequence gaps); a source without sequence numbers
+    (a test double, another engine's adapter) cannot tell, and says 0."""
+    return sum(getattr(client, "missed", {}).values()) if client is not None else 0
+
+
 def _message(exc: Exception) -> str:
     return getattr(exc, "message", None) or str(exc) or type(exc).__name__
 
@@ -172,6 +198,7 @@ class EngineBridge(QObject):
         self.client: EngineClient | None = None
         self.mailbox = Mailbox()
         self.frames_emitted = 0
+        self.lost_before = 0  # frames lost by clients already detached
         self._dead = False
         self._thread = QThread()
         self._thread.setObjectName("kvscope-commands")
@@ -243,6 +270,17 @@ class EngineBridge(QObject):
         if self.client is not None:
             self._shutdownRequested.emit()
 
+    def set_drain_interval(self, ms: int) -> None:
+        """Hand frames to the views this often (the window's frame rate)."""
+        if ms != self._timer.interval():
+            self._timer.setInterval(ms)
+
+    def stream_counts(self) -> StreamCounts:
+        received = self.mailbox.frames_in
+        lost = self.lost_before + _lost(self.client)
+        return StreamCounts(received, self.frames_emitted,
+                            received - self.frames_emitted - self.mailbox.pending(), lost)
+
     def drain(self) -> None:
         """Emit the newest frame of each topic and the deltas since the last drain."""
         frames, deltas = self.mailbox.take()
@@ -264,6 +302,7 @@ class EngineBridge(QObject):
         self._timer.stop()
         if self.client is not None:
             client, self.client = self.client, None
+            self.lost_before += _lost(client)
             self._worker.client = None
             client.close()
 

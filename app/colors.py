@@ -73,8 +73,10 @@ def build_lut() -> np.ndarray:
 
 def fill_level(filled: np.ndarray, block_size: int) -> np.ndarray:
     """0 .. FILL_LEVELS-1: empty blocks 0, full blocks the top level."""
-    frac = np.asarray(filled, np.float64) / max(1, block_size)
-    return np.clip(np.ceil(frac * (FILL_LEVELS - 1)), 0, FILL_LEVELS - 1).astype(np.int64)
+    bs = max(1, block_size)
+    # ceil(filled / bs * (FILL_LEVELS - 1)) in integers (a float pass costs ~1 ms at 32k)
+    level = (np.asarray(filled, np.int32) * (FILL_LEVELS - 1) + bs - 1) // bs
+    return np.clip(level, 0, FILL_LEVELS - 1)
 
 
 def hex_color(rgb: tuple[int, int, int]) -> str:

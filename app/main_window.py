@@ -1,11 +1,12 @@
-"""The kvscope window: chat | block map and device panel over batch plots, a side panel
-(controls, load, KV calculator) and the engine status bar. Owns the engine child (or attaches
-to an engine) and the two repaint clocks: images and curves at ~30 Hz, text labels at 4 Hz."""
+"""The kvscope window: the KV block map over the history row (batch plots | device panel) in
+the middle, the chat and the side panel (controls, load, KV calculator, trace) in docks, the
+engine status bar below. Owns the engine child (or attaches to an engine) and the frame clock
+(app.frame_clock) that paces every repaint."""
 from __future__ import annotations
 
-from PySide6.QtCore import QSettings, Qt, QTimer, Signal
+from PySide6.QtCore import QSettings, Qt, Signal
 from PySide6.QtGui import QKeySequence, QShortcut
-from PySide6.QtWidgets import QDockWidget, QMainWindow, QSplitter, QTabWidget
+from PySide6.QtWidgets import QDockWidget, QMainWindow, QScrollArea, QSplitter, QTabWidget
 
 from app import settings as app_settings
 from app.blocks.block_map import BlockMap
@@ -16,21 +17,35 @@ from app.controls.load_generator import LoadGenerator, LoadGeneratorPanel
 from app.controls.panel import ControlsPanel
 from app.device.panel import DevicePanel
 from app.engine_process import EngineProcess
+from app.frame_clock import FrameClock, FrameJobs
 from app.plots.batch_plots import BatchPlots
 from app.status_bar import EngineStatusBar
 from app.traces.panel import TracePanel, engine_args_from
 
-REPAINT_MS = 33
-LABELS_MS = 250
+WIDE = 1800  # from this width on the chat and the side panel each get a column of their own
+MAP_SHARE = 0.66  # of the middle's height: the block map; the rest is the history row
 
 
 def default_size(screen) -> tuple[int, int]:
-    """1600x960, or more of a big screen (chat, block map, device panel and the side panel
-    all want width), never more than the screen offers."""
+    """As much of the screen as it offers, up to 1920x1080 (at least 1366x768)."""
     if screen is None:
         return 1600, 960
     free = screen.availableGeometry()
-    return max(1600, min(1920, free.width() - 40)), max(960, min(1080, free.height() - 60))
+    return max(1366, min(1920, free.width() - 40)), max(768, min(1080, free.height() - 60))
+
+
+def shown(widget) -> bool:
+    """Whether any of the widget is on screen (a hidden tab or a collapsed splitter: no)."""
+    return widget.isVisible() and not widget.visibleRegion().isEmpty()
+
+
+def scrollable(panel) -> QScrollArea:
+    """A side panel in a scroll area: a narrow dock scrolls it instead of widening itself."""
+    area = QScrollArea()
+    area.setWidgetResizable(True)
+    area.setFrameShape(QScrollArea.Shape.NoFrame)
+    area.setWidget(panel)
+    return area
 
 
 class MainWindow(QMainWindow):
@@ -61,47 +76,72 @@ class MainWindow(QMainWindow):
         self.status = EngineStatusBar(self)
         self.setStatusBar(self.status)
 
-        self.top_splitter = QSplitter(Qt.Orientation.Horizontal)
-        self.top_splitter.addWidget(self.block_map)
-        self.top_splitter.addWidget(self.device_panel)
-        self.top_splitter.setSizes([680, 340])
-        self.top_splitter.setStretchFactor(0, 1)  # a wider window widens the map, not the panel
-        self.top_splitter.setCollapsible(1, False)
-        self.right_splitter = QSplitter(Qt.Orientation.Vertical)
-        self.right_splitter.addWidget(self.top_splitter)
-        self.right_splitter.addWidget(self.plots)
-        self.right_splitter.setSizes([520, 420])
-        self.main_splitter = QSplitter(Qt.Orientation.Horizontal)
-        self.main_splitter.addWidget(self.chat)
-        self.main_splitter.addWidget(self.right_splitter)
-        self.main_splitter.setSizes([360, 1100])
-        self.main_splitter.setStretchFactor(1, 1)
-        self.setCentralWidget(self.main_splitter)
-        self.side_tabs = QTabWidget()
-        self.side_tabs.addTab(self.controls, "Engine")
-        self.side_tabs.addTab(self.load_panel, "Load")
-        self.side_tabs.addTab(self.kv_calculator, "KV calculator")
-        self.side_tabs.addTab(self.trace_panel, "Trace")
-        self.side_dock = QDockWidget("Controls", self)
-        self.side_dock.setObjectName("controlsDock")
-        self.side_dock.setWidget(self.side_tabs)
-        self.side_dock.setFeatures(QDockWidget.DockWidgetFeature.DockWidgetMovable
-                                   | QDockWidget.DockWidgetFeature.DockWidgetFloatable)
-        self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.side_dock)
-        # As narrow as its tabs allow: the width is worth more to the map and device panel.
-        self.resizeDocks([self.side_dock], [self.side_dock.minimumSizeHint().width()],
-                         Qt.Orientation.Horizontal)
+        self._lay_out()
         self.resize(*default_size(self.screen()))
 
         self._wire()
         self._shortcuts()
-        self.repaint_timer = QTimer(self)
-        self.repaint_timer.setInterval(REPAINT_MS)
-        self.repaint_timer.timeout.connect(self.repaint_views)
-        self.labels_timer = QTimer(self)
-        self.labels_timer.setInterval(LABELS_MS)
-        self.labels_timer.timeout.connect(self.refresh_labels)
+        self.clock = FrameClock(FrameJobs(every_tick=[self._tick_fast],
+                                          plots=[self._tick_plots],
+                                          labels=[self._tick_labels]), self)
+        # No saved layout: lay out for the size the window has when it first shows.
+        self.needs_default_layout = self.settings.value("window/state") is None
         app_settings.restore(self, self.settings)
+
+    # -- layout ---------------------------------------------------------------------------------
+    def _lay_out(self) -> None:
+        """The block map owns the middle; the history row sits under it; chat and controls
+        are docks (side by side on a wide window, tabbed on the left otherwise)."""
+        self.history_splitter = QSplitter(Qt.Orientation.Horizontal)
+        self.history_splitter.addWidget(self.plots)
+        self.history_splitter.addWidget(self.device_panel)
+        self.history_splitter.setStretchFactor(0, 1)  # a wider window widens the plots
+        self.history_splitter.setCollapsible(1, False)
+        self.views_splitter = QSplitter(Qt.Orientation.Vertical)
+        self.views_splitter.addWidget(self.block_map)
+        self.views_splitter.addWidget(self.history_splitter)
+        self.views_splitter.setStretchFactor(0, 1)  # a taller window grows the map
+        self.views_splitter.setCollapsible(0, False)
+        self.setCentralWidget(self.views_splitter)
+        self.side_tabs = QTabWidget()
+        self.side_tabs.setUsesScrollButtons(True)
+        for panel, name in ((self.controls, "Engine"), (self.load_panel, "Load"),
+                            (self.kv_calculator, "KV calculator"), (self.trace_panel, "Trace")):
+            self.side_tabs.addTab(scrollable(panel), name)
+        self.chat_dock = self._dock("Chat", "chatDock", self.chat)
+        self.side_dock = self._dock("Controls", "controlsDock", self.side_tabs)
+        self.addDockWidget(Qt.DockWidgetArea.LeftDockWidgetArea, self.chat_dock)
+        self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.side_dock)
+
+    def _dock(self, title: str, name: str, widget) -> QDockWidget:
+        dock = QDockWidget(title, self)
+        dock.setObjectName(name)
+        dock.setWidget(widget)
+        dock.setFeatures(QDockWidget.DockWidgetFeature.DockWidgetMovable
+                         | QDockWidget.DockWidgetFeature.DockWidgetFloatable)
+        return dock
+
+    def showEvent(self, event) -> None:
+        if self.needs_default_layout:
+            self.needs_default_layout = False
+            self.default_layout(self.width(), self.height())
+        super().showEvent(event)
+
+    def default_layout(self, width: int, height: int) -> None:
+        """Place the docks and split the middle for a window of this size (no saved layout)."""
+        left = Qt.DockWidgetArea.LeftDockWidgetArea
+        if width >= WIDE:
+            self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.side_dock)
+            self.resizeDocks([self.chat_dock, self.side_dock], [380, 360],
+                             Qt.Orientation.Horizontal)
+        else:
+            self.addDockWidget(left, self.side_dock)
+            self.tabifyDockWidget(self.chat_dock, self.side_dock)
+            self.chat_dock.raise_()
+            self.resizeDocks([self.chat_dock], [min(400, width // 4)], Qt.Orientation.Horizontal)
+        map_height = int(MAP_SHARE * height)
+        self.views_splitter.setSizes([map_height, height - map_height])
+        self.history_splitter.setSizes([width, 340])
 
     # -- wiring ---------------------------------------------------------------------------------
     def _wire(self) -> None:
@@ -146,8 +186,7 @@ class MainWindow(QMainWindow):
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
         """Start the local engine child, or attach to the given one."""
-        self.repaint_timer.start()
-        self.labels_timer.start()
+        self.clock.start()
         if self.engine is not None:
             self.status.mark_connecting("starting the engine (loading the model)…")
             self.engine.start()
@@ -172,8 +211,7 @@ class MainWindow(QMainWindow):
         self.closed = True
         app_settings.save(self, self.settings)
         self.load.stop(abort=False)
-        self.repaint_timer.stop()
-        self.labels_timer.stop()
+        self.clock.stop()
         self.status.stop_watching()
         self.trace_panel.stop()
         self.bridge.close()
@@ -219,6 +257,8 @@ class MainWindow(QMainWindow):
             self.kv_calculator.fits.set_device(frame)
         elif topic == "heartbeat":
             self.status.show_heartbeat(frame)
+            self.clock.set_busy(frame.busy)
+            self.bridge.set_drain_interval(self.clock.interval_ms)  # coalesce at frame rate
 
     def on_reconfigured(self, config: dict) -> None:
         self.controls.show_applied(config)
@@ -241,13 +281,42 @@ class MainWindow(QMainWindow):
     def on_command_failed(self, command: str, message: str) -> None:
         self.status.showMessage(f"{command} failed: {message}", 8000)
 
-    # -- clocks ---------------------------------------------------------------------------------
+    # -- frames -----------------------------------------------------------------------------------
+    # The clock's jobs skip views that are off screen (a collapsed splitter, a floating dock
+    # closed): their data keeps accumulating and they repaint when they come back.
+    def frame_tick(self) -> None:
+        """One tick of the frame clock, as its timer runs it (benchmarks, tests)."""
+        self.clock.tick()
+
+    def _tick_fast(self) -> None:
+        if shown(self.block_map):
+            self.block_map.refresh()
+        if shown(self.device_panel):
+            self.device_panel.refresh_bar()
+
+    def _tick_plots(self) -> None:
+        if shown(self.plots):
+            self.plots.refresh()
+        if shown(self.device_panel):
+            self.device_panel.refresh_plots()
+
+    def _tick_labels(self) -> None:
+        if shown(self.block_map):
+            self.block_map.refresh_labels()
+        if shown(self.device_panel):
+            self.device_panel.refresh_labels()
+        self.chat.refresh_labels()
+        self.status.show_stream(self.bridge.stream_counts(), self.clock.hz)
+
     def repaint_views(self) -> None:
+        """Every view with new data, now, on screen or not (a screenshot, a test)."""
         self.block_map.refresh()
         self.plots.refresh()
         self.device_panel.refresh()
 
     def refresh_labels(self) -> None:
+        """Every label, now."""
         self.block_map.refresh_labels()
         self.device_panel.refresh_labels()
         self.chat.refresh_labels()
+        self.status.show_stream(self.bridge.stream_counts(), self.clock.hz)

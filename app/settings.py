@@ -32,9 +32,8 @@ def _widgets(window) -> dict[str, object]:
 def save(window, s: QSettings) -> None:
     s.setValue("window/geometry", window.saveGeometry())
     s.setValue("window/state", window.saveState())
-    s.setValue("window/main_splitter", window.main_splitter.saveState())
-    s.setValue("window/right_splitter", window.right_splitter.saveState())
-    s.setValue("window/top_splitter", window.top_splitter.saveState())
+    s.setValue("window/views_splitter", window.views_splitter.saveState())
+    s.setValue("window/history_splitter", window.history_splitter.saveState())
     s.setValue("window/side_tab", window.side_tabs.currentIndex())
     for key, w in _widgets(window).items():
         s.setValue(key, w.currentText() if isinstance(w, QComboBox) else w.value())
@@ -44,9 +43,8 @@ def save(window, s: QSettings) -> None:
 def restore(window, s: QSettings) -> None:
     for key, setter in (("window/geometry", window.restoreGeometry),
                         ("window/state", window.restoreState),
-                        ("window/main_splitter", window.main_splitter.restoreState),
-                        ("window/right_splitter", window.right_splitter.restoreState),
-                        ("window/top_splitter", window.top_splitter.restoreState)):
+                        ("window/views_splitter", window.views_splitter.restoreState),
+                        ("window/history_splitter", window.history_splitter.restoreState)):
         value = s.value(key)
         if value is not None:
             setter(value)

@@ -37,12 +37,20 @@ class EngineStatusBar(QStatusBar):
         self.metrics_label.setTextInteractionFlags(
             Qt.TextInteractionFlag.TextSelectableByMouse)  # to paste into Prometheus' config
         self.metrics_label.hide()
+        self.stream_label = QLabel("")
+        self.stream_label.setObjectName("streamLabel")
+        self.stream_label.setToolTip(
+            "The engine's state stream as this window saw it. received: frames that arrived; "
+            "coalesced: replaced by a newer frame of the same topic before the next repaint "
+            "(the window draws the newest state, at the frame rate shown); lost: published by "
+            "the engine but never received (gaps in the sequence numbers)")
         self.restart_button = QPushButton("Restart engine")
         self.restart_button.setObjectName("restartButton")
         self.restart_button.clicked.connect(self.restartRequested)
         self.restart_button.hide()
         self.addWidget(self.state_label)
         self.addWidget(self.engine_label, 1)
+        self.addPermanentWidget(self.stream_label)
         self.addPermanentWidget(self.metrics_label)
         self.addPermanentWidget(self.blocks_label)
         self.addPermanentWidget(self.restart_button)
@@ -81,6 +89,13 @@ class EngineStatusBar(QStatusBar):
             f"{human_bytes(e.get('kv_cache_bytes'))} KV · up {stats.uptime_s:.0f} s")
         self.blocks_label.setText(f"blocks {e.get('num_free_blocks', 0)} free / "
                                   f"{e.get('num_kv_blocks', 0)} total")
+
+    def show_stream(self, counts, fps: float) -> None:
+        """The state stream's counts (app.bridge.StreamCounts) and the window's frame rate."""
+        text = (f"state {counts.received:,} frames · {counts.coalesced:,} coalesced · "
+                f"{counts.lost:,} lost · {fps:.0f} fps")
+        if self.stream_label.text() != text:
+            self.stream_label.setText(text)
 
     def check_heartbeat(self) -> None:
         if self.state == "dead" or self.last_heartbeat is None:

@@ -291,8 +291,8 @@ def test_window_routes_device_frames_to_the_panel(qtbot, tmp_path, monkeypatch):
     qtbot.addWidget(w)
     to_calculator = []
     monkeypatch.setattr(w.kv_calculator.fits, "set_device", to_calculator.append)
-    assert w.device_panel.parent() is w.top_splitter
-    assert w.top_splitter.parent() is w.right_splitter
+    assert w.device_panel.parent() is w.history_splitter  # beside the batch plots
+    assert w.history_splitter.parent() is w.views_splitter  # under the block map
     frame = cuda_frame()
     w.on_state("stats", stats_frame())
     w.on_state("device", frame)

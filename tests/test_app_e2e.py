@@ -171,7 +171,8 @@ def test_window_with_real_engine(qtbot, tmp_path):
         window.repaint_views()
         new = window.block_map.frame
         assert new.num_blocks != old_blocks
-        assert window.block_map.image.image.shape == grid_shape(new.num_blocks)
+        assert window.block_map.image.image.shape[:2] == grid_shape(
+            new.num_blocks, *window.block_map.view_pixels())
 
         # Killing the engine shows the dead state and offers a restart.
         window.engine.kill()

@@ -147,7 +147,7 @@ def test_settings_persist_between_runs(qtbot, tmp_path):
     kv.fits.source.setCurrentText("this device")  # ... and the user switched back
     kv.fits.headroom.setValue(7.5)
     w.shutdown()
-    assert QSettings(path, QSettings.Format.IniFormat).value("window/top_splitter") is not None
+    assert QSettings(path, QSettings.Format.IniFormat).value("window/views_splitter") is not None
     w2 = MainWindow(attach="tcp://127.0.0.1:9",
                     settings=QSettings(path, QSettings.Format.IniFormat))
     qtbot.addWidget(w2)

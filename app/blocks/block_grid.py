@@ -12,13 +12,30 @@ STATE_NAMES = {BLOCK_FREE: "free", BLOCK_CACHED: "cached (free, reusable prefix)
                BLOCK_USED: "in use"}
 
 
-def grid_shape(num_blocks: int) -> tuple[int, int]:
-    """(rows, cols): power-of-two columns, about twice as wide as tall, 8..256 columns."""
+def grid_shape(num_blocks: int, width: float = 0, height: float = 0) -> tuple[int, int]:
+    """(rows, cols) of square cells that fill a width x height view (pixels) as fully as
+    num_blocks cells can: the column count with the largest cell, fewest empty cells on a
+    tie. An unknown size (0) means a view twice as wide as tall."""
     if num_blocks <= 0:
         return 1, 1
-    cols = 2 ** math.floor(math.log2(math.sqrt(2 * num_blocks)) + 0.5)
-    cols = max(8, min(256, cols))
-    return -(-num_blocks // cols), cols
+    if not (width > 0 and height > 0):
+        width, height = 2.0, 1.0
+    guess = math.sqrt(num_blocks * width / height)
+    best = None
+    for cols in range(max(1, math.floor(guess) - 2), math.ceil(guess) + 3):
+        cols = min(cols, num_blocks)
+        rows = -(-num_blocks // cols)
+        cell = min(width / cols, height / rows)
+        key = (cell, -(rows * cols))
+        if best is None or key > best[0]:
+            best = (key, (rows, cols))
+    return best[1]
+
+
+def cell_pixels(shape: tuple[int, int], width: float, height: float) -> float:
+    """Side of one square cell when the grid fills a width x height view."""
+    rows, cols = shape
+    return min(width / cols, height / rows)
 
 
 class SlotCache:
@@ -41,28 +58,32 @@ class SlotCache:
 
 def block_indices(frame, selected: str | None = None,
                   cache: SlotCache | None = None) -> np.ndarray:
-    """One LUT index per block (uint16), see app.colors."""
-    n = frame.num_blocks
+    """One LUT index per block (uint16), see app.colors. Whole-array numpy only: at 32k
+    blocks this runs every frame."""
     state = frame.array("flags") & BLOCK_STATE_MASK
     owner = frame.array("owner")
-    ref = frame.array("ref_count")
-    slot = np.full(n, colors.SLOT_UNKNOWN, np.int64)
-    slot[state == BLOCK_FREE] = colors.SLOT_FREE
-    slot[state == BLOCK_CACHED] = colors.SLOT_CACHED
-    used = state == BLOCK_USED
-    owned = used & (owner >= 0) & (owner < len(frame.request_ids))
-    if owned.any():
-        req_slots = (cache or SlotCache()).slots(frame.request_ids)
-        slot[owned] = req_slots[owner[owned]]
-    slot[used & (ref > 1)] = colors.SLOT_SHARED
+    num_requests = len(frame.request_ids)
+    # A slot per owner index, and one past the end for "no known owner".
+    owner_slots = np.full(num_requests + 1, colors.SLOT_UNKNOWN, np.int32)
+    if num_requests:
+        owner_slots[:num_requests] = (cache or SlotCache()).slots(frame.request_ids)
+    known = np.where((owner >= 0) & (owner < num_requests), owner, num_requests)
+    used_slot = np.where(frame.array("ref_count") > 1, colors.SLOT_SHARED, owner_slots[known])
+    slot = np.where(state == BLOCK_USED, used_slot, _STATE_SLOTS[state])
     idx = slot * colors.FILL_LEVELS + colors.fill_level(frame.array("filled"), frame.block_size)
     if selected is not None and selected in frame.request_ids:
-        mine = np.zeros(n, bool)
-        table = request_table(frame, selected)
-        if table:
-            mine[np.asarray(table, np.int64)] = True
+        mine = np.zeros(frame.num_blocks, bool)
+        i = frame.request_ids.index(selected)
+        offsets = frame.array("table_offsets")
+        mine[frame.array("tables")[offsets[i]:offsets[i + 1]]] = True
         idx[~mine] += colors.DIM_OFFSET
     return idx.astype(np.uint16)
+
+
+# The slot of a block that is not in use, by its state bits (anything unknown: SLOT_UNKNOWN).
+_STATE_SLOTS = np.full(BLOCK_STATE_MASK + 1, colors.SLOT_UNKNOWN, np.int32)
+_STATE_SLOTS[BLOCK_FREE] = colors.SLOT_FREE
+_STATE_SLOTS[BLOCK_CACHED] = colors.SLOT_CACHED
 
 
 def grid_image(indices: np.ndarray, shape: tuple[int, int]) -> np.ndarray:

@@ -1,5 +1,9 @@
 """The KV pool as a grid: one cell per physical block, drawn as ONE pyqtgraph ImageItem.
 
+The grid's columns follow the view's shape, so square cells fill the area for any pool size
+(a 32k-block pool still gets cells of a few pixels); the wheel zooms, a drag pans, a double
+click fits the whole pool again.
+
 Each cell is an index into a colour lookup table (app.colors): owner colour (stable per
 request id), brightness by fill level, distinct free / cached / shared colours, and the
 blocks of a selected request kept bright while the rest is dimmed. Hover a cell for its
@@ -26,6 +30,7 @@ from app import colors
 from app.blocks.block_grid import (
     SlotCache,
     block_indices,
+    cell_pixels,
     describe_block,
     grid_image,
     grid_shape,
@@ -33,7 +38,8 @@ from app.blocks.block_grid import (
 )
 from app.fmt import human_bytes
 
-GRID_LINES_MAX_BLOCKS = 8192
+GRID_LINES_MIN_PX = 6  # cell borders only where a cell is this big on screen
+SIDE_WIDTH = 220
 
 
 class BlockMap(QWidget):
@@ -48,8 +54,10 @@ class BlockMap(QWidget):
         self.bytes_per_token: int | None = None
         self.shape = (1, 1)
         self._dirty = False
+        self._table_key = None  # what the block table shows now: skip a rebuild for the same
         self._slots = SlotCache()
         self._lut = colors.build_lut()
+        self._lut32 = self._lut.view(np.uint32).ravel()  # one RGBA pixel per entry
         self.plot = pg.PlotWidget(background="#16181d")
         self.plot.setObjectName("blockMapPlot")
         self.plot.hideAxis("left")
@@ -59,7 +67,8 @@ class BlockMap(QWidget):
         vb = self.plot.getViewBox()
         vb.invertY(True)
         vb.setAspectLocked(True)
-        vb.setDefaultPadding(0.01)
+        vb.setDefaultPadding(0)
+        vb.sigResized.connect(self._on_resized)
         self.image = pg.ImageItem(axisOrder="row-major")
         self.plot.addItem(self.image)
         # Cell borders: one line item for the whole grid (hidden when cells get tiny).
@@ -98,7 +107,7 @@ class BlockMap(QWidget):
         side.addWidget(self.table, 1)
         side_w = QWidget()
         side_w.setLayout(side)
-        side_w.setFixedWidth(250)
+        side_w.setFixedWidth(SIDE_WIDTH)
         left = QVBoxLayout()
         left.addWidget(self.title)
         left.addWidget(self.plot, 1)
@@ -129,24 +138,50 @@ class BlockMap(QWidget):
         self.requestSelected.emit(request_id or "")
 
     # -- drawing ----------------------------------------------------------------------------
+    def view_pixels(self) -> tuple[float, float]:
+        """The map's drawing area in pixels (0, 0 before it is laid out)."""
+        rect = self.plot.getViewBox().boundingRect()
+        return rect.width(), rect.height()
+
+    def cell_pixels(self) -> float:
+        """Side of one block's cell on screen, with the whole pool in view."""
+        return cell_pixels(self.shape, *self.view_pixels())
+
     def refresh(self) -> None:
-        """Redraw the image if a new frame or selection arrived (the ~30 Hz path)."""
+        """Redraw the image if a new frame, selection or view size arrived (every frame)."""
         if not self._dirty or self.frame is None:
             return
         self._dirty = False
         frame = self.frame
-        shape = grid_shape(frame.num_blocks)
+        shape = grid_shape(frame.num_blocks, *self.view_pixels())
         img = grid_image(block_indices(frame, self.selected, self._slots), shape)
-        self.image.setImage(img, lut=self._lut, levels=(0, len(self._lut)), autoLevels=False)
+        # The colour table applied here (a take of 32-bit pixels) hands pyqtgraph RGBA bytes
+        # it wraps in a QImage as they are; its own LUT path rescales levels first (~4 ms at
+        # 32k blocks).
+        rgba = self._lut32[img].view(np.uint8).reshape(*img.shape, 4)
+        self.image.setImage(rgba, autoLevels=False)
         if shape != self.shape:
             self.shape = shape
-            self._draw_grid(shape, frame.num_blocks)
-            self.plot.getViewBox().setRange(xRange=(0, shape[1]), yRange=(0, shape[0]),
-                                            padding=0.01)
+            self._draw_grid(shape)
+            self.fit()
 
-    def _draw_grid(self, shape: tuple[int, int], num_blocks: int) -> None:
+    def fit(self) -> None:
+        """The whole pool in view (after a zoom or pan)."""
+        rows, cols = self.shape
+        self.plot.getViewBox().setRange(xRange=(0, cols), yRange=(0, rows), padding=0)
+
+    def _on_resized(self, *_args) -> None:
+        if self.frame is None:
+            return
+        if grid_shape(self.frame.num_blocks, *self.view_pixels()) != self.shape:
+            self._dirty = True
+            self.refresh()
+        else:
+            self._draw_grid(self.shape)  # cell borders come and go with the cell size
+
+    def _draw_grid(self, shape: tuple[int, int]) -> None:
         rows, cols = shape
-        if num_blocks > GRID_LINES_MAX_BLOCKS:
+        if cell_pixels(shape, *self.view_pixels()) < GRID_LINES_MIN_PX:
             self.grid.setData([], [])
             return
         xs, ys = [], []
@@ -172,11 +207,11 @@ class BlockMap(QWidget):
         rid = self.selected
         if rid is None:
             self.selection_label.setText("No request selected — click a block or a chat reply")
-            self.table.setRowCount(0)
+            self._set_rows(0)
             return
         if rid not in frame.request_ids:
             self.selection_label.setText(f"<b>{rid}</b>: not in the engine (finished)")
-            self.table.setRowCount(0)
+            self._set_rows(0)
             return
         i = frame.request_ids.index(rid)
         table = request_table(frame, rid)
@@ -187,6 +222,11 @@ class BlockMap(QWidget):
             f"<span style='color:{rgb}'>■</span> <b>{rid}</b> ({status}): "
             f"{frame.num_tokens[i]} tokens, {frame.num_computed_tokens[i]} computed, "
             f"{len(table)} blocks — contiguous logically, scattered physically")
+        key = (rid, frame.block_size, tuple(table),
+               filled[np.asarray(table, np.int64)].tobytes() if table else b"")
+        if key == self._table_key:
+            return  # the same rows: a rebuild would cost milliseconds for nothing
+        self._table_key = key
         self.table.setRowCount(len(table))
         for logical, physical in enumerate(table):
             for col, text in enumerate((str(logical), str(physical),
@@ -196,6 +236,10 @@ class BlockMap(QWidget):
                     self.table.setItem(logical, col, QTableWidgetItem(text))
                 elif item.text() != text:
                     item.setText(text)
+
+    def _set_rows(self, n: int) -> None:
+        self._table_key = None
+        self.table.setRowCount(n)
 
     def _totals_html(self, frame) -> str:
         n, bs = frame.num_blocks, frame.block_size
@@ -270,6 +314,9 @@ class BlockMap(QWidget):
 
     def _on_mouse_clicked(self, event) -> None:
         if event.button() != Qt.MouseButton.LeftButton:
+            return
+        if event.double():
+            self.fit()
             return
         self.click_block(self.block_at(event.scenePos()))
 

@@ -1,8 +1,8 @@
-"""The Device panel, next to the block map: what the engine's device is, where its memory went
-(a stacked bar: weights | KV used | KV free | KV cached | other | free) and how busy it is
-over time. Fed by the `device` topic (about once a second); frames only store the newest one
-and append history, refresh() (~30 Hz) repaints the bar and curves, refresh_labels() (4 Hz)
-the text — each only when a frame arrived since."""
+"""The Device panel, beside the batch plots: what the engine's device is, where its memory
+went (a stacked bar: weights | KV used | KV free | KV cached | other | free) and how busy it
+is over time. Fed by the `device` topic (about once a second); frames only store the newest
+one and append history; refresh_bar() (every frame) draws the bar, refresh_plots() (the
+plots' slower clock) the curves, refresh_labels() the text, each only when a frame arrived."""
 from __future__ import annotations
 
 from PySide6.QtCore import Qt, Signal
@@ -131,8 +131,16 @@ class DevicePanel(QWidget):
 
     # -- clocks -----------------------------------------------------------------------------
     def refresh(self) -> None:
-        """Bar and curves (the ~30 Hz path)."""
+        """Bar and curves."""
+        self.refresh_bar()
+        self.refresh_plots()
+
+    def refresh_plots(self) -> None:
+        """The history curves (the plots' slower clock)."""
         self.plots.refresh()
+
+    def refresh_bar(self) -> None:
+        """The memory bar (every frame: a few rectangles)."""
         if self._bar_dirty:
             self._bar_dirty = False
             self.bar.details = self._details()

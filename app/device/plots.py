@@ -1,6 +1,7 @@
 """Device history: utilization (%) and memory (GiB) over time, with the batch plots' time
-windows. Frames only append to arrays; refresh() (the ~30 Hz timer) sets the curves' data when
-something changed. Each plot's title is its legend (coloured curve names, no box over the
+windows. Frames only append to arrays; refresh() (the window's plot clock) sets the curves'
+data when something changed; the x range moves in steps and the memory axis only when the data
+outgrows a 1-2-5 ceiling (app.plots.time_window), so a refresh repaints curves, not axes. Each plot's title is its legend (coloured curve names, no box over the
 data), and a curve joins it once it has a point, so a CPU engine's plot does not list GPU
 curves that will never get data."""
 from __future__ import annotations
@@ -11,7 +12,7 @@ from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
 from app.plots.series import Series
-from app.plots.time_window import WINDOWS, x_range
+from app.plots.time_window import WINDOWS, nice_ceiling, x_range
 
 GIB = float(2**30)
 # (plot, title, [(curve, legend name, colour)])
@@ -36,6 +37,7 @@ class DevicePlots(QWidget):
         self._dirty = False
         self.following = True
         self._setting_range = False
+        self._ranges: dict[str, tuple[float, float]] = {}  # last range set: "x", "memory"
         self.window = QComboBox()
         self.window.addItems(list(WINDOWS))
         self.window.currentTextChanged.connect(self._window_chosen)
@@ -46,8 +48,7 @@ class DevicePlots(QWidget):
         self.in_legend: set[str] = set()
         first = None
         for row, (key, _title, curves) in enumerate(SPECS):
-            plot = self.layout_widget.addPlot(row=row, col=0)
-            plot.showGrid(x=True, y=True, alpha=0.2)
+            plot = self.layout_widget.addPlot(row=row, col=0)  # no grid: see batch_plots
             plot.setMenuEnabled(False)
             plot.hideButtons()
             plot.getAxis("left").setWidth(34)  # same width in both plots: their x lines up
@@ -101,6 +102,7 @@ class DevicePlots(QWidget):
             self.window.setCurrentText(name)  # re-enters through _window_chosen
 
     def _window_chosen(self, name: str) -> None:
+        self._ranges.pop("x", None)
         self.following = True
         self._dirty = True
         self.refresh()
@@ -134,7 +136,10 @@ class DevicePlots(QWidget):
         cols = [self.memory.values(n) for n in self.memory.names]
         top = max((float(np.nanmax(c)) for c in cols if len(c) and not np.isnan(c).all()),
                   default=1.0)
-        self.plots["memory"].setYRange(0, max(top, 1e-3) * 1.08, padding=0)
+        y_range = (0.0, nice_ceiling(max(top, 1e-3) * 1.05))
+        if self._ranges.get("memory") != y_range:
+            self._ranges["memory"] = y_range
+            self.plots["memory"].setYRange(*y_range, padding=0)
 
     def _follow(self) -> None:
         if not len(self.util):
@@ -142,8 +147,10 @@ class DevicePlots(QWidget):
         end = float(self.util.times()[-1])
         self._setting_range = True
         try:
-            self.plots["util"].setXRange(*x_range(end, self.window.currentText()),
-                                         padding=0.02)
+            x = x_range(end, self.window.currentText())
+            if self._ranges.get("x") != x:
+                self._ranges["x"] = x
+                self.plots["util"].setXRange(*x, padding=0.02)
         finally:
             self._setting_range = False
 
@@ -165,5 +172,6 @@ class DevicePlots(QWidget):
         for key in self.plots:
             self._show_legend(key)
         self.t0, self._dirty = None, True
+        self._ranges.clear()
         self.refresh()
 

@@ -1,6 +1,8 @@
 """Batch and memory over time: tokens per step against the budget, queue depths, KV usage,
-throughput and latency. Frames only append to arrays; refresh() (the ~30 Hz timer) sets the
-curves' data when something changed, so a burst of frames costs one redraw."""
+throughput and latency. Frames only append to arrays; refresh() (the window's plot clock, a
+few times a second) sets the curves' data when something changed, so a burst of frames costs
+one redraw. The plots share one x axis (the bottom row's) and their ranges move in steps
+(app.plots.time_window), so a refresh repaints curves, not axes."""
 from __future__ import annotations
 
 import numpy as np
@@ -16,7 +18,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.plots.series import Series
-from app.plots.time_window import WINDOWS, x_range
+from app.plots.time_window import WINDOWS, nice_ceiling, x_range
 
 PEN = {"prefill": "#f0a35e", "decode": "#5ec8f0", "budget": "#e06c75", "running": "#98c379",
        "waiting": "#e5c07b", "preempted": "#e06c75", "kv": "#c678dd", "prompt": "#f0a35e",
@@ -37,6 +39,7 @@ class BatchPlots(QWidget):
         self._dirty = False
         self.following = True
         self._setting_range = False
+        self._ranges: dict[str, tuple[float, float]] = {}  # last range set, per plot / "x"
         self.window = QComboBox()
         self.window.addItems(list(WINDOWS))
         self.window.currentTextChanged.connect(self.set_window)
@@ -58,8 +61,12 @@ class BatchPlots(QWidget):
         first = None
         for i, (key, title, curves) in enumerate(specs):
             plot = self.layout_widget.addPlot(row=i // 2, col=i % 2, title=title)
-            plot.showGrid(x=True, y=True, alpha=0.2)
-            plot.setAutoVisible(y=True)
+            # No grid: pyqtgraph draws it as part of the axes, so every curve update would
+            # repaint them. The lowest plot of each column shows the shared time axis.
+            if i + 2 < len(specs):
+                plot.hideAxis("bottom")
+            plot.getAxis("left").setWidth(44)  # equal widths: the columns' x line up
+            plot.disableAutoRange(axis="y")  # stepped instead: see _fit_y
             plot.setMenuEnabled(False)
             legend = plot.addLegend(offset=(5, 5), labelTextSize="8pt")
             legend.setBrush(pg.mkBrush(22, 24, 29, 180))
@@ -80,7 +87,6 @@ class BatchPlots(QWidget):
                 self.curves[name] = curve
             self.plots[key] = plot
         self.plots["kv"].setYRange(0, 100)
-        self.plots["kv"].disableAutoRange(axis="y")
         top = QHBoxLayout()
         title = QLabel("Batch & memory")
         title.setObjectName("panelTitle")
@@ -135,6 +141,7 @@ class BatchPlots(QWidget):
             return
         self.following = True
         self._dirty = True
+        self._ranges.clear()
         self.windowChanged.emit(name)
         self.refresh()
 
@@ -168,15 +175,35 @@ class BatchPlots(QWidget):
             return
         self._setting_range = True
         try:
-            self.plots["batch"].setXRange(*x_range(max(ends), self.window.currentText()),
-                                          padding=0.02)
+            lo, hi = x_range(max(ends), self.window.currentText())
+            if self._ranges.get("x") != (lo, hi):
+                self._ranges["x"] = (lo, hi)
+                self.plots["batch"].setXRange(lo, hi, padding=0.02)
+            for key in ("batch", "queues", "tput", "latency"):
+                self._fit_y(key, lo, hi)
         finally:
             self._setting_range = False
+
+    def _fit_y(self, key: str, lo: float, hi: float) -> None:
+        """From 0 to a 1-2-5 ceiling over what the x range shows; moves only when crossed."""
+        top = 0.0
+        for item in self.plots[key].listDataItems():
+            x, y = item.xData, item.yData
+            if x is None or not len(x):
+                continue
+            shown = y[(x >= lo) & (x <= hi) & np.isfinite(y)]
+            if len(shown):
+                top = max(top, float(shown.max()))
+        y_range = (0.0, nice_ceiling(top * 1.05))
+        if self._ranges.get(key) != y_range:
+            self._ranges[key] = y_range
+            self.plots[key].setYRange(*y_range, padding=0)
 
     def clear(self) -> None:
         for s in (self.steps, self.frames, self.kv, self.stats):
             s.clear()
         self.t0, self.last_step, self._dirty = None, -1, True
+        self._ranges.clear()
         self.refresh()
 
 
