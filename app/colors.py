@@ -21,6 +21,7 @@ DIM_OFFSET = NUM_SLOTS * FILL_LEVELS  # second half of the LUT: the same colours
 PAD_INDEX = 2 * DIM_OFFSET  # grid cells past the last block: transparent
 LUT_SIZE = PAD_INDEX + 1
 
+MAP_BACKGROUND_RGB = (22, 24, 29)
 FREE_RGB = (38, 41, 48)
 CACHED_RGB = (70, 110, 150)
 SHARED_RGB = (245, 245, 245)

@@ -1,18 +1,23 @@
 """What the desktop app costs: `python -m benchmarks.gui_bench [--json] [serve options]`
 
-(a) GUI main-thread time per frame: a MainWindow (offscreen unless a display is set) fed
-    synthetic engine state (tests/app_fakes.py builders: 64 running requests, tables scattered
-    over the pool, one request selected) through the bridge's own path: frames go into the
-    bridge's mailbox, then one tick = bridge.drain() (block map, chat, plots, status take the
-    newest frame) + repaint_views() (block map image + plots) + refresh_labels() (totals,
-    block table, chat clocks; the real window does this at 4 Hz, counted here every tick: the
-    worst case) + processEvents() (Qt paints the dirty widgets). Timed with perf_counter at
-    4k and 32k blocks.
-(b) engine throughput with the GUI attached vs headless: a real `engine.cli.serve` process
-    (--model default: the embedded SmolLM2-135M-Instruct), a fixed greedy workload (ignore_eos,
-    so every request makes exactly --max-tokens tokens) driven by ipc.EngineClient, run
-    alternately with no subscriber and with a MainWindow in this process attached to the
-    engine (subscribed to every topic, repainting at 30 Hz) while the Qt loop runs here.
+(a) GUI main-thread time per frame: a MainWindow (offscreen unless a display is set; --size,
+    default 1600x900, every panel visible) fed synthetic engine state (tests/app_fakes.py
+    builders: 64 running requests, tables scattered over the pool, one request selected)
+    through the bridge's own path: each tick puts a new frame of every topic into the
+    bridge's mailbox, then times bridge.drain() (the views take the newest frames) +
+    frame_tick() (what one tick of the window's frame clock runs: the block map every tick,
+    the plots or the labels when it is their turn) + processEvents() (Qt paints the dirty
+    widgets). Also "every view" ticks: repaint_views() + refresh_labels() every tick, the
+    worst case (and what this benchmark timed before the frame clock existed). Reported as
+    wall time (perf_counter) and as the main thread's CPU time (thread_time), which a busy
+    shared machine inflates much less than wall time.
+(b) engine throughput with a window attached vs headless, end to end: a real `kvscope serve`
+    process (--model default: the embedded SmolLM2-135M-Instruct), a fixed greedy workload
+    (ignore_eos, so every request makes exactly --max-tokens tokens) driven by
+    ipc.EngineClient from this process, run alternately with no window and with a real
+    window process (`python -m benchmarks.gui_bench --window CMD STATE`: a MainWindow attached
+    to the engine, its own Qt event loop) that reports its CPU time and the state stream's
+    counts (received, coalesced, lost) when it is stopped.
 
 Options not listed below go to `engine.cli.serve` (--device, --num-kv-blocks, ...).
 """
@@ -22,10 +27,12 @@ import argparse
 import json
 import os
 import random
+import resource
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -46,14 +53,14 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def make_window(tmp: str, **kwargs):
+def make_window(tmp: str, size: tuple[int, int] = (1600, 900), **kwargs):
     from PySide6.QtCore import QSettings
 
     from app.main_window import MainWindow
 
     settings = QSettings(str(Path(tmp) / "gui_bench.ini"), QSettings.Format.IniFormat)
     window = MainWindow(settings=settings, **kwargs)
-    window.resize(1600, 960)
+    window.resize(*size)
     window.show()
     return window
 
@@ -78,26 +85,32 @@ def synthetic_frames(num_blocks: int, requests: int, variants: int, block_size: 
     return ids, frames
 
 
-def gui_frame_time(num_blocks: int, requests: int, ticks: int, tmp: str) -> dict:
+def gui_frame_time(num_blocks: int, requests: int, ticks: int, tmp: str,
+                   size: tuple[int, int], every_view: bool) -> dict:
     from app_fakes import heartbeat, stats_frame, step_frame
     from PySide6.QtWidgets import QApplication
 
     app = QApplication.instance()
-    window = make_window(tmp, engine_args=[])
+    window = make_window(tmp, size, engine_args=[])
     try:
         ids, frames = synthetic_frames(num_blocks, requests, variants=8)
         window.block_map.select_request(ids[0])
         bridge = window.bridge
-        now = time.time()
-        stats = stats_frame(num_kv_blocks=num_blocks, num_running=requests)
-        t0 = now
-        for _ in range(3):  # warm up: first image, grid, LUT, fonts
-            bridge.mailbox.put_frame("blocks", frames[0])
+
+        def tick() -> None:
             bridge.drain()
-            window.repaint_views()
-            window.refresh_labels()
+            if every_view:
+                window.repaint_views()
+                window.refresh_labels()
+            else:
+                window.frame_tick()
             app.processEvents()
-        drain_ms, total_ms = [], []
+
+        t0 = time.time()
+        for _ in range(12):  # warm up: first image, grid, fonts; two rounds of every job
+            bridge.mailbox.put_frame("blocks", frames[0])
+            tick()
+        drain_ms, total_ms, cpu_ms = [], [], []
         for i in range(ticks):
             t = t0 + i / 30
             bridge.mailbox.put_frame("blocks", frames[i % len(frames)])
@@ -105,22 +118,27 @@ def gui_frame_time(num_blocks: int, requests: int, ticks: int, tmp: str) -> dict
                                                         running=requests))
             bridge.mailbox.put_frame("stats", stats_frame(seq=i + 1, t=t,
                                                           num_kv_blocks=num_blocks,
-                                                          num_running=requests)
-                                     if i % 8 == 0 else stats)
+                                                          num_running=requests))
             bridge.mailbox.put_frame("heartbeat", heartbeat(seq=i + 1, busy=True))
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.thread_time()
             bridge.drain()
             mid = time.perf_counter()
-            window.repaint_views()
-            window.refresh_labels()
+            if every_view:
+                window.repaint_views()
+                window.refresh_labels()
+            else:
+                window.frame_tick()
             app.processEvents()
-            end = time.perf_counter()
+            end, cpu_end = time.perf_counter(), time.thread_time()
             drain_ms.append(1e3 * (mid - start))
             total_ms.append(1e3 * (end - start))
+            cpu_ms.append(1e3 * (cpu_end - cpu_start))
         return {"blocks": num_blocks, "requests": requests, "ticks": ticks,
+                "mode": "every view" if every_view else "frame clock",
+                "size": f"{size[0]}x{size[1]}", "cell_px": window.block_map.cell_pixels(),
                 "tick_ms_median": statistics.median(total_ms), "tick_ms_p95": pct(total_ms, .95),
                 "tick_ms_max": max(total_ms), "drain_ms_median": statistics.median(drain_ms),
-                "fps_budget_used_at_30hz": statistics.median(total_ms) / (1000 / 30)}
+                "cpu_ms_median": statistics.median(cpu_ms), "cpu_ms_p95": pct(cpu_ms, .95)}
     finally:
         window.shutdown()
         window.close()
@@ -129,13 +147,59 @@ def gui_frame_time(num_blocks: int, requests: int, ticks: int, tmp: str) -> dict
 
 
 # -- (b) ---------------------------------------------------------------------------------------
-def throughput(serve_args, requests: int, max_tokens: int, reps: int, tmp: str) -> dict:
+def window_process(command: str, state: str) -> int:
+    """`--window CMD STATE`: a real window attached to an engine, until SIGTERM; then one JSON
+    line on stdout: its CPU seconds, frame rate and the state stream's counts."""
+    from PySide6.QtCore import QTimer
     from PySide6.QtWidgets import QApplication
 
+    app = QApplication.instance() or QApplication(["kvscope-window"])
+    with tempfile.TemporaryDirectory() as tmp:
+        window = make_window(tmp, attach=command, attach_state=state)
+        window.engineReady.connect(lambda _hello: print("attached", flush=True))
+        signal.signal(signal.SIGTERM, lambda *_: app.quit())
+        wake = QTimer()  # lets Python run the signal handler while Qt waits
+        wake.start(200)
+        window.start()
+        cpu0 = _cpu_seconds()
+        wall0 = time.monotonic()
+        app.exec()
+        cpu, wall = _cpu_seconds() - cpu0, time.monotonic() - wall0
+        counts = window.bridge.stream_counts()
+        window.shutdown()
+    print(json.dumps({"cpu_s": cpu, "wall_s": wall, "fps_last": window.clock.hz,
+                      "ticks": window.clock.ticks, "received": counts.received,
+                      "shown": counts.shown, "coalesced": counts.coalesced,
+                      "lost": counts.lost}), flush=True)
+    return 0
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def start_window(command: str, state: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.gui_bench", "--window", command,
+                             state], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+    line = proc.stdout.readline().strip()
+    if line != "attached":
+        proc.kill()
+        raise SystemExit(f"the window process did not attach (said {line!r})")
+    return proc
+
+
+def stop_window(proc: subprocess.Popen) -> dict:
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def throughput(serve_args, requests: int, max_tokens: int, reps: int) -> dict:
     from benchmarks.ipc_bench import run_workload, start_server
     from ipc import EngineClient
 
-    app = QApplication.instance()
     proc, cmd_ep, state_ep = start_server(serve_args, None)
     log(f"engine ready at {cmd_ep} ({' '.join(serve_args)})")
     client = EngineClient(cmd_ep, state_ep)
@@ -145,41 +209,17 @@ def throughput(serve_args, requests: int, max_tokens: int, reps: int, tmp: str) 
              "fixed", "size", "blocks"]
     prompts = [" ".join(rng.choice(words) for _ in range(rng.randrange(8, 24)))
                for _ in range(requests)]
-    out = {"headless": [], "gui": [], "gui_ticks": []}
+    out = {"headless": [], "gui": [], "windows": []}
     try:
         run_workload(client, prompts[:4], 8)  # warm up
         for rep in range(reps):
             for mode in ("headless", "gui"):
-                if mode == "headless":
-                    tps = run_workload(client, prompts, max_tokens)
-                else:
-                    window = make_window(tmp, attach=cmd_ep, attach_state=state_ep)
-                    window.start()
-                    deadline = time.monotonic() + 60
-                    while window.hello is None and time.monotonic() < deadline:
-                        app.processEvents()
-                        time.sleep(0.005)
-                    if window.hello is None:
-                        raise SystemExit("the window did not attach")
-                    window.block_map.select_request(None)
-                    result: dict = {}
-
-                    def drive(result=result):
-                        result["tps"] = run_workload(client, prompts, max_tokens)
-
-                    worker = threading.Thread(target=drive)
-                    frames_before = window.bridge.frames_emitted
-                    worker.start()
-                    while worker.is_alive():  # the GUI's own event loop, 30 Hz repaints
-                        app.processEvents()
-                        time.sleep(0.002)
-                    worker.join()
-                    out["gui_ticks"].append(window.bridge.frames_emitted - frames_before)
-                    window.shutdown()
-                    window.close()
-                    window.deleteLater()
-                    app.processEvents()
-                    tps = result["tps"]
+                window = start_window(cmd_ep, state_ep) if mode == "gui" else None
+                if window is not None:
+                    time.sleep(2.0)  # past the window's first paints: the steady state
+                tps = run_workload(client, prompts, max_tokens)
+                if window is not None:
+                    out["windows"].append(stop_window(window))
                 out[mode].append(tps)
                 log(f"rep {rep + 1}/{reps} {mode}: {tps:.1f} tok/s")
     finally:
@@ -197,54 +237,68 @@ def throughput(serve_args, requests: int, max_tokens: int, reps: int, tmp: str) 
             "requests": requests, "max_tokens": max_tokens, "reps": reps,
             "headless_tok_s": h, "gui_tok_s": g, "gui_over_headless": g / h,
             "headless_runs": out["headless"], "gui_runs": out["gui"],
-            "gui_frames_emitted": out["gui_ticks"]}
+            "windows": out["windows"]}
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--window"]:
+        return window_process(*argv[1:3])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--blocks", default="4096,32768", help="pool sizes for (a)")
     p.add_argument("--running", type=int, default=64, help="running requests for (a)")
     p.add_argument("--ticks", type=int, default=120)
+    p.add_argument("--size", default="1600x900", help="(a): window size WxH")
     p.add_argument("--requests", type=int, default=16, help="(b): requests in the workload")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--reps", type=int, default=3)
     p.add_argument("--skip-engine", action="store_true", help="only (a)")
+    p.add_argument("--skip-frames", action="store_true", help="only (b)")
     args, serve_args = p.parse_known_args(argv)
     if "--model" not in serve_args:
         serve_args = ["--model", "default", *serve_args]
+    w, _, h = args.size.partition("x")
+    size = (int(w), int(h))
     from PySide6.QtWidgets import QApplication
 
     QApplication.instance() or QApplication(["gui_bench"])
     report = {"qpa": os.environ.get("QT_QPA_PLATFORM"), "frame_time": [], "throughput": None}
     with tempfile.TemporaryDirectory() as tmp:
-        for n in (int(x) for x in args.blocks.split(",")):
-            r = gui_frame_time(n, args.running, args.ticks, tmp)
-            log(f"{n} blocks: tick {r['tick_ms_median']:.2f} ms median")
-            report["frame_time"].append(r)
-        if not args.skip_engine:
-            report["throughput"] = throughput(serve_args, args.requests, args.max_tokens,
-                                              args.reps, tmp)
+        for n in ([] if args.skip_frames else [int(x) for x in args.blocks.split(",")]):
+            for every_view in (False, True):
+                r = gui_frame_time(n, args.running, args.ticks, tmp, size, every_view)
+                log(f"{n} blocks, {r['mode']}: tick {r['tick_ms_median']:.2f} ms median")
+                report["frame_time"].append(r)
+    if not args.skip_engine:
+        report["throughput"] = throughput(serve_args, args.requests, args.max_tokens, args.reps)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"(a) GUI main-thread time per tick (drain + block map + plots + labels + paint), "
-          f"{args.running} running requests, QPA {report['qpa']}")
-    print(f"{'blocks':>8} {'median ms':>10} {'p95 ms':>8} {'max ms':>8} {'drain ms':>9} "
-          f"{'of 33 ms':>9}")
-    for r in report["frame_time"]:
-        print(f"{r['blocks']:>8} {r['tick_ms_median']:>10.2f} {r['tick_ms_p95']:>8.2f} "
-              f"{r['tick_ms_max']:>8.2f} {r['drain_ms_median']:>9.2f} "
-              f"{100 * r['fps_budget_used_at_30hz']:>8.0f}%")
+    if report["frame_time"]:
+        print(f"(a) GUI main-thread time per tick (drain + frame + Qt paint), {args.running} "
+              f"running requests, window {args.size}, QPA {report['qpa']}")
+        print(f"{'blocks':>8} {'ticks':>12} {'median ms':>10} {'p95 ms':>8} {'max ms':>8} "
+              f"{'CPU median':>11} {'CPU p95':>8} {'drain ms':>9} {'cell px':>8}")
+        for r in report["frame_time"]:
+            print(f"{r['blocks']:>8} {r['mode']:>12} {r['tick_ms_median']:>10.2f} "
+                  f"{r['tick_ms_p95']:>8.2f} {r['tick_ms_max']:>8.2f} "
+                  f"{r['cpu_ms_median']:>11.2f} {r['cpu_ms_p95']:>8.2f} "
+                  f"{r['drain_ms_median']:>9.2f} {r['cell_px']:>8.1f}")
     t = report["throughput"]
     if t:
         print(f"\n(b) engine throughput, {t['requests']} requests x {t['max_tokens']} tokens, "
-              f"greedy, ignore_eos, model {t['model']} on {t['device']}, median of {t['reps']}")
+              f"greedy, ignore_eos, model {t['model']} on {t['device']}, median of {t['reps']}, "
+              f"a window process attached vs none")
         print(f"{'headless tok/s':>15} {'GUI tok/s':>10} {'GUI/headless':>13}")
         print(f"{t['headless_tok_s']:>15.1f} {t['gui_tok_s']:>10.1f} "
               f"{t['gui_over_headless']:>13.3f}")
         print(f"runs: headless {[round(x, 1) for x in t['headless_runs']]}, "
               f"GUI {[round(x, 1) for x in t['gui_runs']]}")
+        for wd in t["windows"]:
+            print(f"window: {100 * wd['cpu_s'] / max(wd['wall_s'], 1e-9):.1f} % of a core, "
+                  f"{wd['fps_last']:.0f} fps at the end, state frames {wd['received']} received, "
+                  f"{wd['coalesced']} coalesced, {wd['lost']} lost")
     return 0
 
 

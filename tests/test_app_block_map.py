@@ -81,9 +81,15 @@ def test_click_selects_request_and_shows_block_table(qtbot):
         bm.click_block(bm.block_at(bm.block_scene_pos(17)))
     assert sig.args == ["req-a"]
     bm.refresh_labels()
-    rows = [(bm.table.item(r, 0).text(), bm.table.item(r, 1).text())
-            for r in range(bm.table.rowCount())]
-    assert rows == [("0", "30"), ("1", "2"), ("2", "17")]
+    rows = bm.table_model.rows()
+    assert rows == [("0", "30", "16/16"), ("1", "2", "16/16"), ("2", "17", "16/16")]
+    view = bm.table.model()  # what the view shows: the same rows
+    assert view.rowCount() == 3 and view.index(2, 1).data() == "17"
+    # A fuller block in the next frame shows up in the same rows.
+    bm.show_blocks(blocks_frame(64, 16, {"req-a": [30, 2, 17, 40], "req-b": [5]},
+                                filled={40: 3}, seq=2))
+    bm.refresh_labels()
+    assert bm.table_model.rows()[-1] == ("3", "40", "3/16")
     assert "req-a" in bm.selection_label.text()
     # Its blocks stay bright, the others are dimmed.
     top = colors.FILL_LEVELS - 1
@@ -91,7 +97,8 @@ def test_click_selects_request_and_shows_block_table(qtbot):
     other = scaled(colors.request_rgb("req-b"), top)
     assert rgb_at(bm, 5) == tuple(round(c * colors.DIM_FACTOR) for c in other)
     bm.click_block(0)  # a free block clears the selection
-    assert bm.selected is None and bm.table.rowCount() == 0
+    bm.refresh_labels()
+    assert bm.selected is None and bm.table.model().rowCount() == 0
 
 
 def test_totals_show_used_free_cached_waste_and_reserve(qtbot):

@@ -58,7 +58,7 @@ def shown_table(window) -> list[int]:
     """The block table widget's physical column, after a label refresh."""
     bm = window.block_map
     bm.refresh_labels()
-    return [int(bm.table.item(r, 1).text()) for r in range(bm.table.rowCount())]
+    return [int(physical) for _, physical, _ in bm.table_model.rows()]
 
 
 def test_window_with_real_engine(qtbot, tmp_path):
@@ -144,7 +144,7 @@ def test_window_with_real_engine(qtbot, tmp_path):
         assert bm.selected == rids[1]
         assert shown_table(window) == bm.frame.block_table(rids[1])
         assert str(target) in bm.selection_label.text() or \
-            str(target) in [bm.table.item(r, 1).text() for r in range(bm.table.rowCount())]
+            str(target) in [physical for _, physical, _ in bm.table_model.rows()]
         for rid in rids:
             turn2 = window.chat.turns[rid]
             qtbot.waitUntil(lambda t=turn2: t.done, timeout=60_000)

@@ -20,8 +20,7 @@ from PySide6.QtWidgets import (
     QHeaderView,
     QLabel,
     QSizePolicy,
-    QTableWidget,
-    QTableWidgetItem,
+    QTableView,
     QVBoxLayout,
     QWidget,
 )
@@ -36,6 +35,8 @@ from app.blocks.block_grid import (
     grid_shape,
     request_table,
 )
+from app.blocks.block_table import BlockTableModel
+from app.blocks.pixel_image import PixelImage, rgb32_table
 from app.fmt import human_bytes
 
 GRID_LINES_MIN_PX = 6  # cell borders only where a cell is this big on screen
@@ -54,11 +55,12 @@ class BlockMap(QWidget):
         self.bytes_per_token: int | None = None
         self.shape = (1, 1)
         self._dirty = False
-        self._table_key = None  # what the block table shows now: skip a rebuild for the same
         self._slots = SlotCache()
         self._lut = colors.build_lut()
-        self._lut32 = self._lut.view(np.uint32).ravel()  # one RGBA pixel per entry
-        self.plot = pg.PlotWidget(background="#16181d")
+        pad = self._lut[colors.PAD_INDEX]
+        pad[:3] = colors.MAP_BACKGROUND_RGB  # cells past the last block: the background
+        self._pixels = rgb32_table(self._lut)
+        self.plot = pg.PlotWidget(background=colors.hex_color(colors.MAP_BACKGROUND_RGB))
         self.plot.setObjectName("blockMapPlot")
         self.plot.hideAxis("left")
         self.plot.hideAxis("bottom")
@@ -69,7 +71,7 @@ class BlockMap(QWidget):
         vb.setAspectLocked(True)
         vb.setDefaultPadding(0)
         vb.sigResized.connect(self._on_resized)
-        self.image = pg.ImageItem(axisOrder="row-major")
+        self.image = PixelImage()
         self.plot.addItem(self.image)
         # Cell borders: one line item for the whole grid (hidden when cells get tiny).
         self.grid = pg.PlotCurveItem(pen=pg.mkPen(22, 24, 29, 255, width=1), connect="pairs")
@@ -92,9 +94,10 @@ class BlockMap(QWidget):
         self.totals.setWordWrap(True)
         self.selection_label = QLabel("No request selected")
         self.selection_label.setWordWrap(True)
-        self.table = QTableWidget(0, 3)
+        self.table_model = BlockTableModel()
+        self.table = QTableView()
+        self.table.setModel(self.table_model)
         self.table.setObjectName("blockTable")
-        self.table.setHorizontalHeaderLabels(["logical", "physical", "filled"])
         self.table.verticalHeader().setVisible(False)
         self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
         self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
@@ -155,11 +158,7 @@ class BlockMap(QWidget):
         frame = self.frame
         shape = grid_shape(frame.num_blocks, *self.view_pixels())
         img = grid_image(block_indices(frame, self.selected, self._slots), shape)
-        # The colour table applied here (a take of 32-bit pixels) hands pyqtgraph RGBA bytes
-        # it wraps in a QImage as they are; its own LUT path rescales levels first (~4 ms at
-        # 32k blocks).
-        rgba = self._lut32[img].view(np.uint8).reshape(*img.shape, 4)
-        self.image.setImage(rgba, autoLevels=False)
+        self.image.setImage(self._pixels[img], autoLevels=False)  # the colour table, applied
         if shape != self.shape:
             self.shape = shape
             self._draw_grid(shape)
@@ -207,11 +206,11 @@ class BlockMap(QWidget):
         rid = self.selected
         if rid is None:
             self.selection_label.setText("No request selected — click a block or a chat reply")
-            self._set_rows(0)
+            self.table_model.clear()
             return
         if rid not in frame.request_ids:
             self.selection_label.setText(f"<b>{rid}</b>: not in the engine (finished)")
-            self._set_rows(0)
+            self.table_model.clear()
             return
         i = frame.request_ids.index(rid)
         table = request_table(frame, rid)
@@ -222,24 +221,8 @@ class BlockMap(QWidget):
             f"<span style='color:{rgb}'>■</span> <b>{rid}</b> ({status}): "
             f"{frame.num_tokens[i]} tokens, {frame.num_computed_tokens[i]} computed, "
             f"{len(table)} blocks — contiguous logically, scattered physically")
-        key = (rid, frame.block_size, tuple(table),
-               filled[np.asarray(table, np.int64)].tobytes() if table else b"")
-        if key == self._table_key:
-            return  # the same rows: a rebuild would cost milliseconds for nothing
-        self._table_key = key
-        self.table.setRowCount(len(table))
-        for logical, physical in enumerate(table):
-            for col, text in enumerate((str(logical), str(physical),
-                                        f"{int(filled[physical])}/{frame.block_size}")):
-                item = self.table.item(logical, col)
-                if item is None:
-                    self.table.setItem(logical, col, QTableWidgetItem(text))
-                elif item.text() != text:
-                    item.setText(text)
-
-    def _set_rows(self, n: int) -> None:
-        self._table_key = None
-        self.table.setRowCount(n)
+        physical = np.asarray(table, np.int64)
+        self.table_model.show(physical, filled[physical], frame.block_size)
 
     def _totals_html(self, frame) -> str:
         n, bs = frame.num_blocks, frame.block_size
