@@ -117,9 +117,10 @@ class EngineStatusBar(QStatusBar):
         label = {"connecting": "● connecting", "idle": "● idle", "busy": "● running",
                  "alive": "● alive", "dead": "● DEAD"}[state]
         self.state_label.setText(label)
-        self.state_label.setProperty("state", state)
-        self.state_label.style().unpolish(self.state_label)
-        self.state_label.style().polish(self.state_label)
+        if self.state_label.property("state") != state:  # a re-polish per heartbeat adds up
+            self.state_label.setProperty("state", state)
+            self.state_label.style().unpolish(self.state_label)
+            self.state_label.style().polish(self.state_label)
         self.restart_button.setVisible(state == "dead")
         if state == "dead":
             self.engine_label.setText(f"engine is dead: {self.dead_reason}")

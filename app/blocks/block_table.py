@@ -17,23 +17,20 @@ class BlockTableModel(QAbstractTableModel):
         self.block_size = 0
 
     def show(self, physical, filled, block_size: int) -> None:
-        """The request's physical blocks in logical order, and how full each one is."""
+        """The request's physical blocks in logical order, and how full each one is. Only
+        the rows that changed are repainted (usually one: the block being filled)."""
         physical = np.asarray(physical, np.int64)
         filled = np.asarray(filled, np.int64)
-        same_rows = len(physical) == len(self.physical)
-        if (same_rows and block_size == self.block_size
-                and np.array_equal(physical, self.physical)
-                and np.array_equal(filled, self.filled)):
-            return
-        if not same_rows:
+        if len(physical) != len(self.physical) or block_size != self.block_size:
             self.beginResetModel()
-        self.physical, self.filled, self.block_size = physical, filled, block_size
-        if same_rows:
-            if len(physical):
-                self.dataChanged.emit(self.index(0, 0),
-                                      self.index(len(physical) - 1, len(HEADERS) - 1))
-        else:
+            self.physical, self.filled, self.block_size = physical, filled, block_size
             self.endResetModel()
+            return
+        changed = np.flatnonzero((physical != self.physical) | (filled != self.filled))
+        self.physical, self.filled = physical, filled
+        if len(changed):
+            self.dataChanged.emit(self.index(int(changed[0]), 0),
+                                  self.index(int(changed[-1]), len(HEADERS) - 1))
 
     def clear(self) -> None:
         self.show([], [], 0)

@@ -32,6 +32,7 @@ class BatchPlots(QWidget):
         super().__init__(parent)
         self.t0: float | None = None
         self.last_step = -1
+        self.last_stats = None
         self.steps = Series(("prefill", "decode", "budget", "running", "waiting"))
         self.frames = Series(("preempted",))
         self.kv = Series(("usage",))
@@ -51,16 +52,15 @@ class BatchPlots(QWidget):
         self.layout_widget.setBackground("#16181d")
         self.plots: dict[str, pg.PlotItem] = {}
         self.curves: dict[str, pg.PlotDataItem] = {}
-        specs = [("batch", "batch tokens / step", [("prefill", True), ("decode", True),
-                                                   ("budget", False)]),
-                 ("queues", "requests", [("running", False), ("waiting", False),
-                                         ("preempted", False)]),
-                 ("kv", "KV usage %", [("kv", True)]),
-                 ("tput", "tokens / s", [("prompt", False), ("gen", False)]),
-                 ("latency", "latency p50 (ms)", [("ttft", False), ("itl", False)])]
+        specs = [("batch", "batch tokens / step", ["prefill", "decode", "budget"]),
+                 ("queues", "requests", ["running", "waiting", "preempted"]),
+                 ("kv", "KV usage %", ["kv"]),
+                 ("tput", "tokens / s", ["prompt", "gen"]),
+                 ("latency", "latency p50 (ms)", ["ttft", "itl"])]
         first = None
         for i, (key, title, curves) in enumerate(specs):
-            plot = self.layout_widget.addPlot(row=i // 2, col=i % 2, title=title)
+            plot = self.layout_widget.addPlot(row=i // 2, col=i % 2)
+            plot.setTitle(_legend_title(title, curves), size="8pt", color="#9aa0aa")
             # No grid: pyqtgraph draws it as part of the axes, so every curve update would
             # repaint them. The lowest plot of each column shows the shared time axis.
             if i + 2 < len(specs):
@@ -68,20 +68,19 @@ class BatchPlots(QWidget):
             plot.getAxis("left").setWidth(44)  # equal widths: the columns' x line up
             plot.disableAutoRange(axis="y")  # stepped instead: see _fit_y
             plot.setMenuEnabled(False)
-            legend = plot.addLegend(offset=(5, 5), labelTextSize="8pt")
-            legend.setBrush(pg.mkBrush(22, 24, 29, 180))
             if first is None:
                 first = plot
             else:
                 plot.setXLink(first)
             plot.getViewBox().sigRangeChangedManually.connect(self._user_moved)
-            for name, filled in curves:
-                style = {"pen": pg.mkPen(PEN[name], width=1.5), "name": name}
+            # Thin lines, no fills, the legend in the title: a pen wider than one pixel, a
+            # filled area or a legend box over the data each cost a repaint several times
+            # over (the plots' paint was most of a frame).
+            for name in curves:
+                pen = pg.mkPen(PEN[name], width=1)
                 if name == "budget":
-                    style["pen"] = pg.mkPen(PEN[name], width=1, style=pg.QtCore.Qt.PenStyle.DashLine)
-                if filled:
-                    style.update(fillLevel=0, brush=pg.mkBrush(PEN[name] + "40"))
-                curve = plot.plot([], [], **style)
+                    pen.setStyle(pg.QtCore.Qt.PenStyle.DashLine)
+                curve = plot.plot([], [], pen=pen, name=name)
                 curve.setClipToView(True)
                 curve.setDownsampling(auto=True, method="peak")
                 self.curves[name] = curve
@@ -126,13 +125,20 @@ class BatchPlots(QWidget):
                           gen=frame.generation_tokens_per_s,
                           ttft=None if frame.ttft_s.p50 is None else frame.ttft_s.p50 * ms,
                           itl=None if frame.itl_s.p50 is None else frame.itl_s.p50 * ms)
-        self.summary.setText(
-            f"gen {frame.generation_tokens_per_s:,.0f} tok/s · prompt "
-            f"{frame.prompt_tokens_per_s:,.0f} tok/s · TTFT p50/p90 {_ms(frame.ttft_s.p50)}/"
-            f"{_ms(frame.ttft_s.p90)} · ITL p50/p90 {_ms(frame.itl_s.p50)}/"
-            f"{_ms(frame.itl_s.p90)} · KV {100 * frame.kv_usage:.0f} %")
-        self.summary.setToolTip(self.summary.text())  # the label clips in a narrow window
+        self.last_stats = frame  # the summary line follows on the next refresh
         self._dirty = True
+
+    def _show_summary(self) -> None:
+        frame = self.last_stats
+        if frame is None:
+            return
+        text = (f"gen {frame.generation_tokens_per_s:,.0f} tok/s · prompt "
+                f"{frame.prompt_tokens_per_s:,.0f} tok/s · TTFT p50/p90 {_ms(frame.ttft_s.p50)}/"
+                f"{_ms(frame.ttft_s.p90)} · ITL p50/p90 {_ms(frame.itl_s.p50)}/"
+                f"{_ms(frame.itl_s.p90)} · KV {100 * frame.kv_usage:.0f} %")
+        if text != self.summary.text():
+            self.summary.setText(text)
+            self.summary.setToolTip(text)  # the label clips in a narrow window
 
     # -- view -----------------------------------------------------------------------------------
     def set_window(self, name: str) -> None:
@@ -153,6 +159,7 @@ class BatchPlots(QWidget):
         if not self._dirty:
             return
         self._dirty = False
+        self._show_summary()
         s = self.steps
         t = s.times()
         for name in ("prefill", "decode", "budget", "running", "waiting"):
@@ -205,6 +212,12 @@ class BatchPlots(QWidget):
         self.t0, self.last_step, self._dirty = None, -1, True
         self._ranges.clear()
         self.refresh()
+
+
+def _legend_title(title: str, names: list[str]) -> str:
+    """A plot's title with its curves' names in their colours (the legend, off the data)."""
+    return title + " &nbsp; " + " ".join(f"<span style='color:{PEN[n]}'>━ {n}</span>"
+                                         for n in names)
 
 
 def _ms(x: float | None) -> str:
