@@ -15,9 +15,8 @@
     process (--model default: the embedded SmolLM2-135M-Instruct), a fixed greedy workload
     (ignore_eos, so every request makes exactly --max-tokens tokens) driven by
     ipc.EngineClient from this process, run alternately with no window and with a real
-    window process (`python -m benchmarks.gui_bench --window CMD STATE`: a MainWindow attached
-    to the engine, its own Qt event loop) that reports its CPU time and the state stream's
-    counts (received, coalesced, lost) when it is stopped.
+    window process (`kvscope --attach CMD --attach-state STATE`, offscreen, from this checkout
+    or --window-repo, e.g. an older commit's, to compare) whose CPU share is read with psutil.
 
 Options not listed below go to `engine.cli.serve` (--device, --num-kv-blocks, ...).
 """
@@ -27,8 +26,6 @@ import argparse
 import json
 import os
 import random
-import resource
-import signal
 import statistics
 import subprocess
 import sys
@@ -147,56 +144,57 @@ def gui_frame_time(num_blocks: int, requests: int, ticks: int, tmp: str,
 
 
 # -- (b) ---------------------------------------------------------------------------------------
-def window_process(command: str, state: str) -> int:
-    """`--window CMD STATE`: a real window attached to an engine, until SIGTERM; then one JSON
-    line on stdout: its CPU seconds, frame rate and the state stream's counts."""
-    from PySide6.QtCore import QTimer
-    from PySide6.QtWidgets import QApplication
+def start_window(command: str, state: str, repo: Path, config_dir: str):
+    """`kvscope --attach` from `repo` (this checkout or another one, to compare), offscreen,
+    with its own settings folder; returns once it holds connections to both engine ports."""
+    import psutil
 
-    app = QApplication.instance() or QApplication(["kvscope-window"])
-    with tempfile.TemporaryDirectory() as tmp:
-        window = make_window(tmp, attach=command, attach_state=state)
-        window.engineReady.connect(lambda _hello: print("attached", flush=True))
-        signal.signal(signal.SIGTERM, lambda *_: app.quit())
-        wake = QTimer()  # lets Python run the signal handler while Qt waits
-        wake.start(200)
-        window.start()
-        cpu0 = _cpu_seconds()
-        wall0 = time.monotonic()
-        app.exec()
-        cpu, wall = _cpu_seconds() - cpu0, time.monotonic() - wall0
-        counts = window.bridge.stream_counts()
-        window.shutdown()
-    print(json.dumps({"cpu_s": cpu, "wall_s": wall, "fps_last": window.clock.hz,
-                      "ticks": window.clock.ticks, "received": counts.received,
-                      "shown": counts.shown, "coalesced": counts.coalesced,
-                      "lost": counts.lost}), flush=True)
-    return 0
-
-
-def _cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    env = dict(os.environ, PYTHONPATH=str(repo), XDG_CONFIG_HOME=config_dir,
+               QT_QPA_PLATFORM="offscreen")
+    proc = subprocess.Popen([sys.executable, "-m", "kvscope", "--attach", command,
+                             "--attach-state", state], cwd=repo, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ports = {int(command.rsplit(":", 1)[1]), int(state.rsplit(":", 1)[1])}
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the window process exited ({proc.returncode})")
+        try:
+            conns = psutil.Process(proc.pid).net_connections(kind="tcp")
+        except psutil.Error:
+            conns = []
+        if ports <= {c.raddr.port for c in conns if c.raddr}:
+            return proc
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("the window process did not connect in 3 minutes")
 
 
-def start_window(command: str, state: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.gui_bench", "--window", command,
-                             state], cwd=REPO, stdout=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONPATH=str(REPO)))
-    line = proc.stdout.readline().strip()
-    if line != "attached":
+def stop_window(proc: subprocess.Popen, cpu_start: float, wall_start: float) -> dict:
+    """The window's share of a core over the run, then stop it."""
+    import psutil
+
+    times = psutil.Process(proc.pid).cpu_times()
+    cpu = times.user + times.system - cpu_start
+    wall = time.monotonic() - wall_start
+    proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
         proc.kill()
-        raise SystemExit(f"the window process did not attach (said {line!r})")
-    return proc
+        proc.wait(5)
+    return {"cpu_s": cpu, "wall_s": wall, "core_share": cpu / max(wall, 1e-9)}
 
 
-def stop_window(proc: subprocess.Popen) -> dict:
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=60)
-    return json.loads(out.strip().splitlines()[-1])
+def _cpu_seconds(proc: subprocess.Popen) -> float:
+    import psutil
+
+    times = psutil.Process(proc.pid).cpu_times()
+    return times.user + times.system
 
 
-def throughput(serve_args, requests: int, max_tokens: int, reps: int) -> dict:
+def throughput(serve_args, requests: int, max_tokens: int, reps: int,
+               window_repo: Path) -> dict:
     from benchmarks.ipc_bench import run_workload, start_server
     from ipc import EngineClient
 
@@ -212,14 +210,17 @@ def throughput(serve_args, requests: int, max_tokens: int, reps: int) -> dict:
     out = {"headless": [], "gui": [], "windows": []}
     try:
         run_workload(client, prompts[:4], 8)  # warm up
+        config_dir = tempfile.mkdtemp(prefix="gui_bench-settings-")
         for rep in range(reps):
             for mode in ("headless", "gui"):
-                window = start_window(cmd_ep, state_ep) if mode == "gui" else None
-                if window is not None:
-                    time.sleep(2.0)  # past the window's first paints: the steady state
+                window = None
+                if mode == "gui":
+                    window = start_window(cmd_ep, state_ep, window_repo, config_dir)
+                    time.sleep(3.0)  # past the window's first paints: the steady state
+                    cpu0, wall0 = _cpu_seconds(window), time.monotonic()
                 tps = run_workload(client, prompts, max_tokens)
                 if window is not None:
-                    out["windows"].append(stop_window(window))
+                    out["windows"].append(stop_window(window, cpu0, wall0))
                 out[mode].append(tps)
                 log(f"rep {rep + 1}/{reps} {mode}: {tps:.1f} tok/s")
     finally:
@@ -233,7 +234,7 @@ def throughput(serve_args, requests: int, max_tokens: int, reps: int) -> dict:
         except Exception:  # noqa: BLE001
             proc.kill()
     h, g = statistics.median(out["headless"]), statistics.median(out["gui"])
-    return {"model": str(hello.config.get("model")), "device": hello.config.get("device"),
+    return {"window_repo": str(window_repo), "model": str(hello.config.get("model")), "device": hello.config.get("device"),
             "requests": requests, "max_tokens": max_tokens, "reps": reps,
             "headless_tok_s": h, "gui_tok_s": g, "gui_over_headless": g / h,
             "headless_runs": out["headless"], "gui_runs": out["gui"],
@@ -241,9 +242,6 @@ def throughput(serve_args, requests: int, max_tokens: int, reps: int) -> dict:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--window"]:
-        return window_process(*argv[1:3])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--blocks", default="4096,32768", help="pool sizes for (a)")
@@ -255,6 +253,9 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--skip-engine", action="store_true", help="only (a)")
     p.add_argument("--skip-frames", action="store_true", help="only (b)")
+    p.add_argument("--window-repo", type=Path, default=REPO,
+                   help="(b): run the window from this checkout (default: this one), e.g. "
+                        "an older commit's worktree, to compare windows on one engine")
     args, serve_args = p.parse_known_args(argv)
     if "--model" not in serve_args:
         serve_args = ["--model", "default", *serve_args]
@@ -271,7 +272,8 @@ def main(argv=None) -> int:
                 log(f"{n} blocks, {r['mode']}: tick {r['tick_ms_median']:.2f} ms median")
                 report["frame_time"].append(r)
     if not args.skip_engine:
-        report["throughput"] = throughput(serve_args, args.requests, args.max_tokens, args.reps)
+        report["throughput"] = throughput(serve_args, args.requests, args.max_tokens, args.reps,
+                                          args.window_repo.resolve())
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -295,10 +297,8 @@ def main(argv=None) -> int:
               f"{t['gui_over_headless']:>13.3f}")
         print(f"runs: headless {[round(x, 1) for x in t['headless_runs']]}, "
               f"GUI {[round(x, 1) for x in t['gui_runs']]}")
-        for wd in t["windows"]:
-            print(f"window: {100 * wd['cpu_s'] / max(wd['wall_s'], 1e-9):.1f} % of a core, "
-                  f"{wd['fps_last']:.0f} fps at the end, state frames {wd['received']} received, "
-                  f"{wd['coalesced']} coalesced, {wd['lost']} lost")
+        print(f"window process ({t['window_repo']}) CPU during the GUI runs: "
+              f"{[round(100 * wd['core_share'], 1) for wd in t['windows']]} % of a core")
     return 0
 
 

@@ -51,9 +51,9 @@ def test_x_range_moves_in_steps_and_y_in_nice_ceilings():
     assert x_range(12.3, "Last 30 s") == (0.0, 30.0)
     assert x_range(31.0, "Last 30 s") == (3.0, 33.0) == x_range(32.9, "Last 30 s")
     assert x_range(33.1, "Last 30 s") == (6.0, 36.0)
-    assert x_range(140.0, "All") == (0.0, 200.0) == x_range(199.0, "All")
+    assert x_range(140.0, "All") == (0.0, 150.0) == x_range(149.0, "All")
     assert [nice_ceiling(x) for x in (0.7, 1.0, 1.3, 2.2, 3.0, 70.0)] == \
-        [1.0, 1.0, 2.0, 2.5, 5.0, 100.0]
+        [0.8, 1.0, 1.5, 2.5, 3.0, 80.0]
     assert nice_ceiling(0.0) == 1.0 and nice_ceiling(float("nan")) == 1.0
 
 

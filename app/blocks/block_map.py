@@ -85,7 +85,7 @@ class BlockMap(QWidget):
         self.hover_label = QLabel("Hover a block for details; click one to select its request")
         self.hover_label.setObjectName("hoverLabel")
         self.hover_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.hover_label.setWordWrap(True)  # else its longest text sets the map's least width
+        self.hover_label.setWordWrap(True)
         self.legend = QLabel(self._legend_html())
         self.legend.setObjectName("legend")
         self.legend.setWordWrap(True)
@@ -106,12 +106,13 @@ class BlockMap(QWidget):
         # Text that changes every refresh must not change its label's size: a label whose
         # size can change re-lays out the whole window on every setText (1.5-4 ms each);
         # a fixed size stops that at the label.
-        for label, lines in ((self.totals, 6), (self.selection_label, 4)):
+        for label, lines in ((self.totals, 9), (self.hover_label, 3), (self.selection_label, 5)):
             label.setFixedSize(SIDE_WIDTH - 12, lines * label.fontMetrics().lineSpacing() + 4)
             label.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
         side = QVBoxLayout()
         side.addWidget(self.legend)
         side.addWidget(self.totals)
+        side.addWidget(self.hover_label)
         side.addWidget(self.selection_label)
         side.addWidget(self.table, 1)
         side_w = QWidget()
@@ -120,7 +121,6 @@ class BlockMap(QWidget):
         left = QVBoxLayout()
         left.addWidget(self.title)
         left.addWidget(self.plot, 1)
-        left.addWidget(self.hover_label)
         row = QHBoxLayout(self)
         row.setContentsMargins(4, 4, 4, 4)
         row.addLayout(left, 1)

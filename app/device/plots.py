@@ -1,9 +1,10 @@
 """Device history: utilization (%) and memory (GiB) over time, with the batch plots' time
 windows. Frames only append to arrays; refresh() (the window's plot clock) sets the curves'
-data when something changed; the x range moves in steps and the memory axis only when the data
-outgrows a 1-2-5 ceiling (app.plots.time_window), so a refresh repaints curves, not axes. Each plot's title is its legend (coloured curve names, no box over the
-data), and a curve joins it once it has a point, so a CPU engine's plot does not list GPU
-curves that will never get data."""
+data when something changed; the x range moves in steps and the memory axis only when the
+data outgrows a nice ceiling (app.plots.time_window), so a refresh repaints curves, not axes.
+Each plot's title is its legend (coloured curve names, no box over the data), and a curve
+joins it once it has a point, so a CPU engine's plot does not list GPU curves that will never
+get data."""
 from __future__ import annotations
 
 import numpy as np

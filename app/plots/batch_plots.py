@@ -192,7 +192,7 @@ class BatchPlots(QWidget):
             self._setting_range = False
 
     def _fit_y(self, key: str, lo: float, hi: float) -> None:
-        """From 0 to a 1-2-5 ceiling over what the x range shows; moves only when crossed."""
+        """From 0 to a nice ceiling over what the x range shows; moves only when crossed."""
         top = 0.0
         for item in self.plots[key].listDataItems():
             x, y = item.xData, item.yData
