@@ -18,7 +18,7 @@ from app.main_window import MainWindow
 from app.plots.time_window import nice_ceiling, x_range
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.gui_bench import synthetic_frames  # noqa: E402 - the benchmark's own frames
+from benchmarks.gui_bench import synthetic_frames  # the benchmark's own frames
 
 
 def test_plots_and_labels_take_turns(qtbot):
@@ -112,5 +112,48 @@ def test_coalesced_frames_are_counted_and_shown(qtbot, tmp_path):
         text = w.status.stream_label.text()
         assert "3 frames" in text and "2 coalesced" in text and "0 lost" in text
         assert w.block_map.frame is frames[-1]  # the newest one is the one drawn
+    finally:
+        w.shutdown()
+
+
+class GappyClient:
+    """Stands in for EngineClient after the state stream skipped sequence numbers."""
+
+    def __init__(self, missed: dict[str, int]) -> None:
+        self.missed = missed
+        self.dead = False
+
+    def close(self) -> None:
+        pass
+
+
+def test_lost_frames_are_counted_across_reattach(qtbot, tmp_path):
+    w = make_window(qtbot, tmp_path)
+    try:
+        w.bridge.client = GappyClient({"blocks": 3, "step": 1})
+        assert w.bridge.stream_counts().lost == 4
+        w.bridge.detach()  # a restart or reattach keeps what was lost before
+        w.bridge.client = GappyClient({"blocks": 2})
+        assert w.bridge.stream_counts().lost == 6
+        w.refresh_labels()
+        assert "6 lost" in w.status.stream_label.text()
+        w.bridge.detach()
+    finally:
+        w.shutdown()
+
+
+def test_views_off_screen_skip_their_turn(qtbot, tmp_path, monkeypatch):
+    w = make_window(qtbot, tmp_path)
+    refreshed = []
+    monkeypatch.setattr(w.plots, "refresh", lambda: refreshed.append("plots"))
+    try:
+        w.plots.hide()
+        for _ in range(2 * frame_clock.PLOTS_EVERY):
+            w.frame_tick()
+        assert refreshed == []
+        w.plots.show()
+        for _ in range(frame_clock.PLOTS_EVERY):
+            w.frame_tick()
+        assert refreshed == ["plots"]
     finally:
         w.shutdown()
