@@ -84,6 +84,7 @@ class MainWindow(QMainWindow):
         self.clock = FrameClock(FrameJobs(every_tick=[self._tick_fast],
                                           plots=[self._tick_plots],
                                           labels=[self._tick_labels]), self)
+        self.clock.intervalChanged.connect(self.bridge.set_drain_interval)  # one frame rate
         # No saved layout: lay out for the size the window has when it first shows.
         self.needs_default_layout = self.settings.value("window/state") is None
         app_settings.restore(self, self.settings)
@@ -258,7 +259,6 @@ class MainWindow(QMainWindow):
         elif topic == "heartbeat":
             self.status.show_heartbeat(frame)
             self.clock.set_busy(frame.busy)
-            self.bridge.set_drain_interval(self.clock.interval_ms)  # coalesce at frame rate
 
     def on_reconfigured(self, config: dict) -> None:
         self.controls.show_applied(config)

@@ -47,6 +47,31 @@ def test_busy_engine_slows_the_clock(qtbot):
     assert clock.interval_ms == frame_clock.IDLE_MS
 
 
+def test_busy_clock_paces_itself_to_its_cpu_share(qtbot):
+    now = {"wall": 0.0, "cpu": 0.0}
+    clock = FrameClock(FrameJobs(), cpu_clock=lambda: now["cpu"],
+                       wall_clock=lambda: now["wall"])
+    seen = []
+    clock.intervalChanged.connect(seen.append)
+    clock.set_busy(True)
+
+    def run(seconds: float, share: float) -> None:
+        end = now["wall"] + seconds
+        while now["wall"] < end:
+            now["wall"] += clock.interval_ms / 1000
+            now["cpu"] += share * clock.interval_ms / 1000
+            clock.tick()
+
+    run(3, share=4 * frame_clock.BUSY_CPU_SHARE)  # a heavy window: it slows down
+    assert clock.interval_ms > frame_clock.BUSY_MS and clock.cpu_share > 0.05
+    run(10, share=50.0)  # however heavy, it still ticks
+    assert clock.interval_ms == frame_clock.MAX_BUSY_MS
+    run(20, share=0.0)  # a light window speeds back up, not past the busy rate
+    assert clock.interval_ms == frame_clock.BUSY_MS
+    clock.set_busy(False)
+    assert clock.interval_ms == frame_clock.IDLE_MS and seen[-1] == frame_clock.IDLE_MS
+
+
 def test_x_range_moves_in_steps_and_y_in_nice_ceilings():
     assert x_range(12.3, "Last 30 s") == (0.0, 30.0)
     assert x_range(31.0, "Last 30 s") == (3.0, 33.0) == x_range(32.9, "Last 30 s")
