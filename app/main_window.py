@@ -305,7 +305,8 @@ class MainWindow(QMainWindow):
             self.block_map.refresh_labels()
         if shown(self.device_panel):
             self.device_panel.refresh_labels()
-        self.chat.refresh_labels()
+        if shown(self.chat):
+            self.chat.refresh_labels()
         self.status.show_stream(self.bridge.stream_counts(), self.clock.hz)
 
     def repaint_views(self) -> None:

@@ -163,18 +163,22 @@ class BatchPlots(QWidget):
         s = self.steps
         t = s.times()
         for name in ("prefill", "decode", "budget", "running", "waiting"):
-            self.curves[name].setData(t, s.values(name))
-        self.curves["preempted"].setData(self.frames.times(), self.frames.values("preempted"))
-        self.curves["kv"].setData(self.kv.times(), self.kv.values("usage"))
+            self._set(name, t, s.values(name))
+        self._set("preempted", self.frames.times(), self.frames.values("preempted"))
+        self._set("kv", self.kv.times(), self.kv.values("usage"))
         st = self.stats.times()
-        for name in ("prompt", "gen"):
-            self.curves[name].setData(st, self.stats.values(name))
-        for name in ("ttft", "itl"):
-            v = self.stats.values(name)
-            ok = ~np.isnan(v)
-            self.curves[name].setData(st[ok], v[ok])
+        for name in ("prompt", "gen", "ttft", "itl"):
+            self._set(name, st, self.stats.values(name))
         if self.following:
             self._follow()
+
+    def _set(self, name: str, t: np.ndarray, v: np.ndarray) -> None:
+        """A curve's points, gaps (no value yet) left out; pyqtgraph's own finite check
+        is skipped since only finite points remain."""
+        ok = np.isfinite(v)
+        if not ok.all():
+            t, v = t[ok], v[ok]
+        self.curves[name].setData(t, v, skipFiniteCheck=True)
 
     def _follow(self) -> None:
         ends = [x.times()[-1] for x in (self.steps, self.kv, self.stats) if len(x)]
