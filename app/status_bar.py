@@ -92,7 +92,7 @@ class EngineStatusBar(QStatusBar):
 
     def show_stream(self, counts, fps: float) -> None:
         """The state stream's counts (app.bridge.StreamCounts) and the window's frame rate."""
-        text = (f"state {counts.received:,} frames · {counts.coalesced:,} coalesced · "
+        text = (f"{counts.received:,} frames · {counts.coalesced:,} coalesced · "
                 f"{counts.lost:,} lost · {fps:.0f} fps")
         if self.stream_label.text() != text:
             self.stream_label.setText(text)
