@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+from engine.cache_events import BlockCached, BlockUncached, CacheEvent
 from engine.sequence import Sequence
 
 
@@ -37,6 +38,7 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.cache_events: list[CacheEvent] | None = None  # a list records (cache_events.py)
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -125,15 +127,19 @@ class BlockManager:
         end = seq.num_computed_tokens if num_computed_after is None else num_computed_after
         for i in range(num_computed_before // self.block_size, end // self.block_size):
             block = self.blocks[seq.block_table[i]]
-            self._register(block, self.block_hash(seq, i), self._block_tokens(seq, i))
+            parent = self.block_hash(seq, i - 1) if i else None
+            self._register(block, self.block_hash(seq, i), self._block_tokens(seq, i), parent)
 
-    def _register(self, block: Block, block_hash: int, tokens: tuple[int, ...]) -> None:
+    def _register(self, block: Block, block_hash: int, tokens: tuple[int, ...],
+                  parent: int | None = None) -> None:
         if block.hash is not None:
             return  # a shared prefix block, registered by whoever computed it
         block.token_ids = tokens
         if block_hash not in self.hash_to_block:
             block.hash = block_hash
             self.hash_to_block[block_hash] = block.block_id
+            if self.cache_events is not None:
+                self.cache_events.append(BlockCached(block_hash, parent, tokens))
         # else: the same content was computed twice concurrently; this copy stays private.
 
     # -- release ---------------------------------------------------------------------------
@@ -180,4 +186,6 @@ class BlockManager:
     def _forget(self, block: Block) -> None:
         if block.hash is not None and self.hash_to_block.get(block.hash) == block.block_id:
             del self.hash_to_block[block.hash]
+            if self.cache_events is not None:
+                self.cache_events.append(BlockUncached(block.hash))
         block.hash, block.token_ids = None, ()

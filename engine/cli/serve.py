@@ -10,6 +10,11 @@ import contextlib
 import signal
 import sys
 
+from engine.cli.kv_events_options import (
+    add_kv_events_options,
+    kv_events_config,
+    kv_events_endpoints,
+)
 from engine.cli.options import add_engine_options, engine_config_from_args, parse_bytes
 from ipc import endpoints
 from ipc.messages import DEFAULT_MAX_MESSAGE_BYTES
@@ -43,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", metavar="PATH", help="record the session to a JSONL trace")
     p.add_argument("--no-prompts", action="store_true",
                    help="with --trace: record prompt lengths, not the prompt token ids")
+    add_kv_events_options(p)
     add_engine_options(p)
     return p
 
@@ -89,8 +95,8 @@ def main(argv: list[str]) -> int:
             raise ValueError(f"--state-hz {args.state_hz} must be > 0")
         eps = resolve_endpoints(args)
         metrics_at = metrics_address(args)
-        check_remote([*eps, *([endpoints.tcp(*metrics_at)] if metrics_at else [])],
-                     args.allow_remote)
+        check_remote([*eps, *([endpoints.tcp(*metrics_at)] if metrics_at else []),
+                      *kv_events_endpoints(args)], args.allow_remote)
     except ValueError as exc:
         print(f"kvscope serve: error: {exc}", file=sys.stderr)
         return 2
@@ -101,24 +107,28 @@ def main(argv: list[str]) -> int:
     from engine.server.metrics import EngineMetrics
     from engine.traces.recorder import start_trace
 
-    metrics = metrics_url = None
+    metrics = metrics_url = kv_events = None
     try:
         with contextlib.redirect_stdout(sys.stderr):  # stdout is for the ready line only
             engine = LLMEngine(engine_config_from_args(args))
         if metrics_at:
             metrics = EngineMetrics(engine.config.model, engine.max_model_len,
                                     engine.config.max_num_batched_tokens)
-            metrics_url = metrics.serve(*metrics_at)
+            metrics_url = metrics.serve(*metrics_at, prefix=args.metrics_prefix)
             print(f"kvscope serve: Prometheus metrics at {metrics_url}", file=sys.stderr,
                   flush=True)
         if args.trace:
             start_trace(engine, args.trace, include_prompts=not args.no_prompts)
+        kv_events = start_kv_events(engine, kv_events_config(args))
         server = EngineServer(engine, *eps, max_message_bytes=args.max_message_bytes,
-                              state_hz=args.state_hz, metrics=metrics, metrics_url=metrics_url)
+                              state_hz=args.state_hz, metrics=metrics, metrics_url=metrics_url,
+                              kv_events=kv_events)
     except (ValueError, OSError, zmq.ZMQError) as exc:
         print(f"kvscope serve: error: {exc}", file=sys.stderr)
         if metrics is not None:
             metrics.close()
+        if kv_events is not None:
+            kv_events.close()
         return 2
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: server.request_stop())
@@ -129,8 +139,25 @@ def main(argv: list[str]) -> int:
     server.close()
     if metrics is not None:
         metrics.close()
+    if kv_events is not None:
+        kv_events.close()
     engine.stop_trace()
     return 1 if server.failed else 0
+
+
+def start_kv_events(engine, config):
+    """The KV-event publisher for --kv-events (None without it); says where it listens."""
+    if config is None:
+        return None
+    from engine.server.kv_events import CacheEventFeed, KVEventPublisher
+
+    publisher = KVEventPublisher(config)
+    publisher.start()
+    pub, replay = publisher.endpoints
+    print(f"kvscope serve: KV events (vLLM format) on {pub}"
+          + (f", replay on {replay}" if replay else "") + f", topic {config.topic!r}",
+          file=sys.stderr, flush=True)
+    return CacheEventFeed(engine, publisher)
 
 
 if __name__ == "__main__":

@@ -66,8 +66,9 @@ class EngineServer:
     def __init__(self, engine, command_endpoint: str, state_endpoint: str, *,
                  max_message_bytes: int = m.DEFAULT_MAX_MESSAGE_BYTES, state_hz: float = 30.0,
                  max_pending_requests: int = 4096, metrics: EngineMetrics | None = None,
-                 metrics_url: str | None = None) -> None:
+                 metrics_url: str | None = None, kv_events=None) -> None:
         self.engine = engine
+        self.kv_events = kv_events  # a kv_events.CacheEventFeed, flushed after each step
         self.prometheus, self.metrics_url = metrics, metrics_url
         self.feed = MetricsFeed(engine, metrics)
         self.max_message_bytes = max_message_bytes
@@ -130,6 +131,8 @@ class EngineServer:
                     break
                 if self.engine.has_unfinished():
                     self._step()
+                if self.kv_events is not None:
+                    self.kv_events.flush()
                 self._maybe_publish()
                 self.feed.refresh(self.version)
             self._abort_all()
@@ -412,6 +415,8 @@ class EngineServer:
     def _stats(self, seq: int) -> m.StatsFrame:
         server = dict(self.counters, bad_frames=self.io.bad_frames,
                       dropped_replies=self.io.dropped, publish_s=self.publish_s)
+        if self.kv_events is not None:
+            server.update(self.kv_events.counters())
         return self.metrics.frame(self.engine, seq, server)
 
     def _send(self, who: bytes, reply) -> None:

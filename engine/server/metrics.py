@@ -22,6 +22,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from engine.server.metrics_prefix import prefixed
 from ipc import messages as m
 
 PREFIX = "kvscope:"
@@ -149,9 +150,11 @@ class EngineMetrics:
         self.max_tokens.observe(r.max_tokens)
 
     # -- HTTP --------------------------------------------------------------------------------
-    def serve(self, host: str, port: int) -> str:
-        """Serve /metrics on host:port (0 picks a free port); returns its URL."""
-        self.server, _ = start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, host: str, port: int, prefix: str = "kvscope") -> str:
+        """Serve /metrics on host:port (0 picks a free port), names under `prefix:`; returns
+        its URL."""
+        self.server, _ = start_http_server(port, addr=host,
+                                           registry=prefixed(self.registry, PREFIX, prefix))
         bound = self.server.server_port
         shown = f"[{host}]" if ":" in host else host
         return f"http://{shown}:{bound}/metrics"

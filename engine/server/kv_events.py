@@ -1,0 +1,236 @@
+"""`kvscope serve --kv-events`: the prefix cache's changes as vLLM's KV-event stream.
+
+Two halves, one per thread:
+
+* `CacheEventFeed` (engine thread): after each step it takes what the block manager recorded
+  (engine/cache_events.py), turns it into one vLLM `KVEventBatch` (chains of stored blocks
+  become one BlockStored each, as vLLM sends them), encodes it and hands the bytes over an
+  inproc PAIR without waiting: if the hand-over is full the batch is dropped and counted.
+  A new block manager (the pool was rebuilt) is an AllBlocksCleared.
+* `KVEventPublisher` (its own thread): numbers each batch, sends it on the PUB socket as
+  (topic, 8-byte big-endian seq, payload), keeps the last `buffer_steps` for replay and
+  answers replay requests on the ROUTER, exactly as vLLM's ZmqEventPublisher does. A
+  subscriber slower than the PUB high-water mark loses messages there (ZeroMQ drops them
+  silently, so it is the subscriber that counts the gap in seq) and can replay them.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from itertools import count
+
+import zmq
+
+from engine.cache_events import BlockCached, BlockUncached
+from ipc import vllm_kv_events as v
+from ipc.endpoints import is_ipv6
+
+HASH_MASK = (1 << 64) - 1  # hashes go out as unsigned 64-bit ints, as vLLM's int hashes do
+FULL_ATTENTION = "full_attention"  # vLLM's kind for a plain decoder's one KV-cache group
+HANDOVER_HWM = 10_000  # batches between the engine thread and the publisher thread
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    endpoint: str  # PUB, bound
+    replay_endpoint: str | None = None  # ROUTER, bound
+    topic: str = ""
+    buffer_steps: int = 10_000  # batches kept for replay (vLLM's default)
+    hwm: int = 100_000  # PUB high-water mark per subscriber (vLLM's default)
+
+
+def event_socket(ctx: zmq.Context, kind: int, endpoint: str) -> tuple[zmq.Socket, str]:
+    """Create and bind one KV-event socket; returns it and the endpoint actually bound (a tcp
+    port of 0 or * picks a free one). Every KV-event socket is made here, so this is the one
+    place to add authentication."""
+    sock = ctx.socket(kind)
+    if is_ipv6(endpoint):
+        sock.setsockopt(zmq.IPV6, 1)
+    if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
+        endpoint = endpoint[:-1] + "*"
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError:
+        sock.close(linger=0)
+        raise
+    return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+class KVEventPublisher(threading.Thread):
+    """Owns the PUB and replay sockets; fed through `inproc` by a CacheEventFeed."""
+
+    def __init__(self, config: KVEventsConfig, ctx: zmq.Context | None = None) -> None:
+        super().__init__(name="kvscope-kv-events", daemon=True)
+        self.config = config
+        self.ctx = ctx or zmq.Context.instance()
+        self.topic = config.topic.encode()
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self.seqs = count()
+        self.sent = self.replays = self.bad_replays = self.send_errors = 0
+        self.pub, pub_at = event_socket(self.ctx, zmq.PUB, config.endpoint)
+        self.pub.setsockopt(zmq.SNDHWM, config.hwm)
+        self.replay = None
+        replay_at = None
+        try:
+            if config.replay_endpoint:
+                self.replay, replay_at = event_socket(self.ctx, zmq.ROUTER,
+                                                      config.replay_endpoint)
+                self.replay.setsockopt(zmq.MAXMSGSIZE, 64)  # a request is 8 bytes
+            self.inproc = f"inproc://kvscope-kv-events-{id(self)}"
+            self.pair = self.ctx.socket(zmq.PAIR)
+            self.pair.setsockopt(zmq.RCVHWM, HANDOVER_HWM)
+            self.pair.bind(self.inproc)
+        except zmq.ZMQError:
+            self._close_sockets()
+            raise
+        self.endpoints = (pub_at, replay_at)
+
+    def feed(self) -> zmq.Socket:
+        """The engine thread's end of the hand-over."""
+        sock = self.ctx.socket(zmq.PAIR)
+        sock.setsockopt(zmq.SNDHWM, HANDOVER_HWM)
+        sock.connect(self.inproc)
+        return sock
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.pair, zmq.POLLIN)
+        if self.replay is not None:
+            poller.register(self.replay, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(poller.poll())
+                if self.replay is not None and self.replay in ready:
+                    self._serve_replays()
+                if self.pair in ready and not self._forward():
+                    return
+        finally:
+            self._close_sockets()
+
+    def _forward(self) -> bool:
+        """Publish what the engine thread handed over; False on the stop sentinel (b"")."""
+        for _ in range(1000):
+            try:
+                payload = self.pair.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            if not payload:
+                return False
+            seq = next(self.seqs)
+            try:
+                self.pub.send_multipart((self.topic, v.seq_bytes(seq), payload), zmq.NOBLOCK)
+                self.sent += 1
+            except zmq.ZMQError:
+                self.send_errors += 1  # still buffered: a replay will deliver it
+            self.buffer.append((seq, payload))
+        return True
+
+    def _serve_replays(self) -> None:
+        for _ in range(100):
+            try:
+                frames = self.replay.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            # REQ clients put an empty delimiter before the request, DEALERs need not.
+            envelope, request = frames[:-1], frames[-1]
+            if len(request) != 8 or not 1 <= len(envelope) <= 2:
+                self.bad_replays += 1
+                continue
+            start = int.from_bytes(request, "big")  # unsigned, as vLLM reads it
+            self.replays += 1
+            try:
+                for seq, payload in list(self.buffer):
+                    if seq >= start:
+                        self.replay.send_multipart((*envelope, v.seq_bytes(seq), payload),
+                                                   zmq.NOBLOCK)
+                self.replay.send_multipart((*envelope, v.END_SEQ, b""), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                self.bad_replays += 1  # the client is gone or hopelessly behind
+
+    def _close_sockets(self) -> None:
+        for sock in (self.pub, getattr(self, "replay", None), getattr(self, "pair", None)):
+            if sock is not None:
+                sock.close(linger=0)
+
+
+class CacheEventFeed:
+    """Engine-thread side: block-manager records in, encoded vLLM batches out."""
+
+    def __init__(self, engine, publisher: KVEventPublisher) -> None:
+        self.engine = engine
+        self.publisher = publisher
+        self.out = publisher.feed()
+        self.medium = v.MEDIUM_GPU if str(engine.device).startswith("cuda") else v.MEDIUM_CPU
+        self.batches = self.events = self.dropped = 0
+        self.publish_s = 0.0  # engine-thread time spent here
+        self.block_manager = None
+        self._attach()
+
+    def _attach(self) -> None:
+        self.block_manager = self.engine.block_manager
+        self.block_manager.cache_events = []
+
+    def flush(self) -> v.KVEventBatch | None:
+        """Publish what changed since the last flush (at most one batch); returns it."""
+        started = time.perf_counter()
+        records = self.block_manager.cache_events
+        cleared = self.engine.block_manager is not self.block_manager
+        if not records and not cleared:
+            return None
+        self.block_manager.cache_events = []
+        events = to_vllm_events(records, self.block_manager.block_size, self.medium)
+        if cleared:
+            events.append(v.AllBlocksCleared())
+            self._attach()
+        batch = v.KVEventBatch(time.time(), events, 0)
+        try:
+            self.out.send(v.encode_batch(batch), zmq.NOBLOCK)
+            self.batches += 1
+            self.events += len(events)
+        except zmq.Again:
+            self.dropped += 1
+        self.publish_s += time.perf_counter() - started
+        return batch
+
+    def counters(self) -> dict[str, int | float]:
+        p = self.publisher
+        return {"kv_event_batches": self.batches, "kv_events": self.events,
+                "kv_event_batches_dropped": self.dropped, "kv_event_publish_s": self.publish_s,
+                "kv_event_replays": p.replays, "kv_event_bad_replays": p.bad_replays}
+
+    def close(self) -> None:
+        """Stop the publisher thread (after the engine thread is done with this feed)."""
+        try:
+            self.out.send(b"", zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+        self.publisher.join(5)
+        self.out.close(linger=0)
+
+
+def to_vllm_events(records, block_size: int, medium: str) -> list[v.KVEvent]:
+    """Block-manager records in order as vLLM events: a run of cached blocks that chain
+    (each one's parent is the one before) is one BlockStored, a run of removals one
+    BlockRemoved."""
+    out: list[v.KVEvent] = []
+    for r in records:
+        last = out[-1] if out else None
+        if isinstance(r, BlockCached):
+            h = r.block_hash & HASH_MASK
+            parent = None if r.parent_hash is None else r.parent_hash & HASH_MASK
+            if isinstance(last, v.BlockStored) and last.block_hashes[-1] == parent:
+                last.block_hashes.append(h)
+                last.token_ids.extend(r.token_ids)
+            else:
+                out.append(v.BlockStored([h], parent, list(r.token_ids), block_size, None,
+                                         medium, None, group_idx=0,
+                                         kv_cache_spec_kind=FULL_ATTENTION))
+        elif isinstance(r, BlockUncached):
+            h = r.block_hash & HASH_MASK
+            if isinstance(last, v.BlockRemoved):
+                last.block_hashes.append(h)
+            else:
+                out.append(v.BlockRemoved([h], medium, group_idx=0))
+    return out
