@@ -49,7 +49,7 @@ def test_a_prompts_full_blocks_are_stored_then_cleared_on_reconfigure(server, cl
         prompt = list(range(40, 50))  # 10 tokens: two full blocks of 4
         client.generate(prompt, {"max_tokens": 1}, timeout=120)
         events = collect(sub, lambda ev: any(isinstance(e, v.BlockStored) for e in ev))
-        stored = [e for e in events if isinstance(e, v.BlockStored)][0]
+        stored = next(e for e in events if isinstance(e, v.BlockStored))
         assert stored.parent_block_hash is None and len(stored.block_hashes) == 2
         assert stored.token_ids == prompt[:8] and stored.block_size == 4
         assert stored.medium == "CPU"
