@@ -26,11 +26,13 @@ class SubscriberCounters:
 
 class KVEventSubscriber:
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
-                 ctx: zmq.Context | None = None) -> None:
+                 ctx: zmq.Context | None = None, hwm: int = 100_000) -> None:
+        """hwm: batches queued here before ZeroMQ drops newer ones (a gap, replayed later)."""
         self.ctx = ctx or zmq.Context.instance()
         self.topic = topic.encode()
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self.sub.setsockopt(zmq.RCVHWM, hwm)
         self.sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         self.sub.connect(endpoint)
         self.replay = None
@@ -38,6 +40,7 @@ class KVEventSubscriber:
             self.replay = self.ctx.socket(zmq.DEALER)
             self.replay.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             self.replay.setsockopt(zmq.LINGER, 0)
+            self.replay.setsockopt(zmq.RCVHWM, 0)  # a replay is bounded by the publisher's buffer
             self.replay.connect(replay_endpoint)
         self.last_seq = -1
         self.counters = SubscriberCounters()
@@ -99,6 +102,11 @@ class KVEventSubscriber:
         if until is not None:
             self._count_gap(until)
         return got
+
+    def catch_up(self) -> list[tuple[int, v.KVEventBatch]]:
+        """Replay whatever came after the last batch seen: a gap shows only when a later batch
+        arrives, so losses at the end of a burst need this (call it when the stream is quiet)."""
+        return self.replay_from(self.last_seq + 1)
 
     def _count_gap(self, seq: int) -> None:
         if self.last_seq >= 0 and seq > self.last_seq + 1:

@@ -21,6 +21,7 @@ from engine.server.kv_events import (
     to_vllm_events,
 )
 from ipc import vllm_kv_events as v
+from ipc.vllm_kv_subscriber import KVEventSubscriber
 
 
 # -- vLLM's decoder side, written from vllm/distributed/kv_events.py (main, = v0.28.0) --------
@@ -325,3 +326,35 @@ def test_a_new_block_manager_is_all_blocks_cleared(publisher):
     batch = feed.flush()
     assert [type(e).__name__ for e in batch.events] == ["BlockRemoved", "AllBlocksCleared"]
     assert engine.block_manager.cache_events == []  # recording on the new pool
+
+
+def test_a_slow_subscriber_loses_pub_messages_and_replays_them():
+    ctx = zmq.Context()
+    pub = KVEventPublisher(KVEventsConfig("tcp://127.0.0.1:0", "tcp://127.0.0.1:0",
+                                          buffer_steps=10_000, hwm=2), ctx)
+    pub.start()
+    bm = BlockManager(8, 2, enable_prefix_caching=True)
+    feed = CacheEventFeed(FakeEngine(bm), pub)
+    sub = KVEventSubscriber(*pub.endpoints, ctx=ctx, hwm=2)
+    try:
+        first = connect_and_flush(feed, bm, sub.sub)  # connected; sub.last_seq is still -1
+        sub.last_seq = int.from_bytes(first[1], "big")
+        n, tokens = 5000, tuple(range(1024))  # ~3 KB a batch: more than the TCP buffers hold
+        for h in range(n):  # the subscriber reads nothing meanwhile
+            bm.cache_events.append(BlockCached(h, None, tokens))
+            feed.flush()
+        deadline = time.monotonic() + 60
+        while pub.sent + pub.send_errors < sub.last_seq + 1 + n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        got = []
+        while batches := sub.poll(500):
+            got += batches
+        got += sub.catch_up()  # the burst's tail, if PUB dropped it, shows no gap by itself
+        seqs = [s for s, _ in got]
+        assert seqs == list(range(sub.last_seq - n + 1, sub.last_seq + 1))
+        assert [b.events[0].block_hashes for _, b in got] == [[h] for h in range(n)]
+        assert sub.counters.replayed > 0 and sub.counters.missed == 0  # PUB dropped some
+    finally:
+        sub.close()
+        feed.close()
+        ctx.destroy(linger=0)

@@ -78,6 +78,10 @@ class KVEventPublisher(threading.Thread):
                 self.replay, replay_at = event_socket(self.ctx, zmq.ROUTER,
                                                       config.replay_endpoint)
                 self.replay.setsockopt(zmq.MAXMSGSIZE, 64)  # a request is 8 bytes
+                # Room for one whole replay; beyond that a send fails (and is counted)
+                # instead of silently losing batches or the end marker.
+                self.replay.setsockopt(zmq.SNDHWM, config.buffer_steps + 1)
+                self.replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
             self.inproc = f"inproc://kvscope-kv-events-{id(self)}"
             self.pair = self.ctx.socket(zmq.PAIR)
             self.pair.setsockopt(zmq.RCVHWM, HANDOVER_HWM)
