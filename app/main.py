@@ -10,6 +10,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from app.vllm.launch import add_vllm_options
+
 ENGINE_OPTIONS = {  # option -> takes a value (passed through to the engine child)
     "--model": True, "--device": True, "--dtype": True, "--block-size": True,
     "--kv-dtype": True, "--kv-cache-bytes": True, "--num-kv-blocks": True,
@@ -34,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300.0,
                    help="with --screenshot: give up (exit 1) if the engine is not ready by then")
     p.add_argument("--size", default="1600x960", help="window size WxH")
+    add_vllm_options(p)
     g = p.add_argument_group("engine options (passed to the engine child)")
     g.add_argument("--model", help='"default" (embedded SmolLM2-135M-Instruct), a checkpoint '
                                    'folder or a .gguf')
@@ -89,6 +92,10 @@ def main(argv: list[str]) -> int:
     app.setOrganizationName("kvscope")
     if STYLE.is_file():
         app.setStyleSheet(STYLE.read_text())
+    if args.attach_vllm:
+        from app.vllm.launch import run as run_vllm_window
+
+        return run_vllm_window(args, app)
     settings = None
     if args.screenshot:  # the default layout, and the user's saved one stays untouched
         from PySide6.QtCore import QSettings
