@@ -80,3 +80,28 @@ def test_metrics_carry_vllms_prefix(client, server):
     assert "kvscope:" not in text
     stats = client.snapshot(timeout=60).stats.server
     assert stats["kv_event_batches"] >= 1 and stats["kv_event_batches_dropped"] == 0
+
+
+def test_the_vllm_window_source_reads_kvscope_itself(server, client):
+    """`kvscope --attach-vllm` pointed at kvscope serve --metrics-prefix vllm --kv-events."""
+    from app.vllm.source import VllmSource, VllmTarget
+
+    hello = client.hello(timeout=60)
+    url, block_size = hello.metrics_url.removesuffix("/metrics"), hello.config["block_size"]
+    source = VllmSource(VllmTarget(url, *kv_endpoints(server), topic="kv"),
+                        scrape_interval_s=0.2)
+    source.start()
+    try:
+        client.generate(list(range(60, 75)), {"max_tokens": 2}, timeout=120)
+        samples, cache, deadline = [], None, time.monotonic() + 60
+        while time.monotonic() < deadline and not (samples and cache and cache.num_blocks):
+            update = source.take()
+            samples += update.samples
+            cache = update.cache or cache
+            time.sleep(0.05)
+        assert samples and samples[-1].running is not None and samples[-1].kv_usage is not None
+        assert samples[-1].block_size == block_size  # from vllm:cache_config_info
+        assert cache is not None and cache.num_blocks >= 1 and cache.block_size == block_size
+        assert cache.mediums == ("CPU",)
+    finally:
+        source.stop()
