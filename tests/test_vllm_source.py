@@ -31,6 +31,7 @@ def test_two_recorded_scrapes_make_a_sample():
     # 4000 new inter-token gaps at 0.02 s (bucket 0.01..0.025) and 500 at 0.045 s (0.025..0.05)
     assert s.itl_p50_s == pytest.approx(0.01 + 0.015 * 2250 / 4000)
     assert s.itl_p90_s == pytest.approx(0.025 + 0.025 * (4050 - 4000) / 500)
+    assert s.steps == 2500 - 2000  # vllm:iteration_tokens_total's count
     assert (s.block_size, s.num_blocks) == (16, 27153)
     assert s.model == "meta-llama/Llama-3.1-8B-Instruct"
     assert s.cache_config["cache_dtype"] == "auto"

@@ -13,16 +13,23 @@ from PySide6.QtWidgets import QSizePolicy, QWidget
 from app import colors
 from app.vllm.prefix_cache import CacheSnapshot
 
-PALETTE = np.array([colors.request_rgb(f"chain-{i}") for i in range(64)], np.uint8)
+# Chains in golden-ratio hues, so neighbours in the list differ clearly.
+PALETTE = np.array([QColor.fromHsvF((0.13 + 0.618034 * i) % 1.0, 0.65, 0.95).getRgb()[:3]
+                    for i in range(64)], np.uint8)
 UNKNOWN = np.array(colors.FREE_RGB, np.uint8)
 BACKGROUND = QColor("#16181d")
 MAX_CELLS = 1 << 18  # a bigger pool is drawn at its first MAX_CELLS blocks
 
 
+MIN_CELLS = 64
+
+
 def cell_colors(snapshot: CacheSnapshot, capacity: int | None) -> np.ndarray:
-    """[cells, 3] uint8: cached blocks first, then unknown ones up to capacity."""
+    """[cells, 3] uint8: cached blocks first, then blocks the events say nothing about, up to
+    the pool's size but no more than four times the cached ones (so a few cached blocks in a
+    huge pool stay visible; the text gives the pool size)."""
     n = min(snapshot.num_blocks, MAX_CELLS)
-    total = min(MAX_CELLS, max(n, capacity or 0))
+    total = min(MAX_CELLS, max(n, min(capacity or 0, max(MIN_CELLS, 4 * n))))
     out = np.empty((total, 3), np.uint8)
     out[:] = UNKNOWN
     if n:

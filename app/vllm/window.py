@@ -38,6 +38,8 @@ class VllmWindow(QWidget):
         self.feed = PlotFeed()
         self.capacity: int | None = None
         self.last_cache: CacheSnapshot | None = None
+        self.last_events = None  # the KV-event subscriber's counters
+        self._drawn_capacity: int | None = None
         self.header = QLabel(f"vLLM at {target.base_url} — connecting…")
         self.header.setObjectName("panelTitle")
         self.known = QLabel(KNOWN if target.kv_events else KNOWN + " " + NO_EVENTS)
@@ -95,10 +97,14 @@ class VllmWindow(QWidget):
                                 f"prefix-cache hit rate {hit}")
         if update.error:
             self.header.setText(f"vLLM at {self.target.base_url} — {update.error}")
-        if update.cache is not None:
-            self.last_cache = update.cache
-            self.map.show_cache(update.cache, self.capacity)
-            self.cache_text.setText(describe_cache(update.cache, self.capacity, update.events))
+        capacity_learned = update.samples and self.capacity != self._drawn_capacity
+        if update.cache is not None or (capacity_learned and self.last_cache is not None):
+            self.last_cache = update.cache or self.last_cache
+            self.last_events = update.events or self.last_events
+            self._drawn_capacity = self.capacity
+            self.map.show_cache(self.last_cache, self.capacity)
+            self.cache_text.setText(describe_cache(self.last_cache, self.capacity,
+                                                   self.last_events))
 
     def closeEvent(self, event) -> None:
         self.shutdown()
