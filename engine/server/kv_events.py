@@ -4,14 +4,16 @@ Two halves, one per thread:
 
 * `CacheEventFeed` (engine thread): after each step it takes what the block manager recorded
   (engine/cache_events.py), turns it into one vLLM `KVEventBatch` (chains of stored blocks
-  become one BlockStored each, as vLLM sends them), encodes it and hands the bytes over an
-  inproc PAIR without waiting: if the hand-over is full the batch is dropped and counted.
-  A new block manager (the pool was rebuilt) is an AllBlocksCleared.
-* `KVEventPublisher` (its own thread): numbers each batch, sends it on the PUB socket as
-  (topic, 8-byte big-endian seq, payload), keeps the last `buffer_steps` for replay and
-  answers replay requests on the ROUTER, exactly as vLLM's ZmqEventPublisher does. A
-  subscriber slower than the PUB high-water mark loses messages there (ZeroMQ drops them
-  silently, so it is the subscriber that counts the gap in seq) and can replay them.
+  become one BlockStored each, as vLLM sends them) and appends it to a bounded deque: no
+  socket, no syscall, so the engine thread never gives up the GIL here (a zmq send does, and
+  on a busy machine getting it back cost a millisecond a batch). A full deque drops the batch
+  and counts it. A new block manager (the pool was rebuilt) is an AllBlocksCleared.
+* `KVEventPublisher` (its own thread): every few milliseconds it takes the deque's batches,
+  encodes and numbers each, sends it on the PUB socket as (topic, 8-byte big-endian seq,
+  payload), keeps the last `buffer_steps` for replay and answers replay requests on the
+  ROUTER, as vLLM's ZmqEventPublisher does. A subscriber slower than the PUB high-water mark
+  loses messages there (ZeroMQ drops them silently, so it is the subscriber that counts the gap
+  in seq) and can replay them.
 """
 from __future__ import annotations
 
@@ -29,7 +31,10 @@ from ipc.endpoints import is_ipv6
 
 HASH_MASK = (1 << 64) - 1  # hashes go out as unsigned 64-bit ints, as vLLM's int hashes do
 FULL_ATTENTION = "full_attention"  # vLLM's kind for a plain decoder's one KV-cache group
-HANDOVER_HWM = 10_000  # batches between the engine thread and the publisher thread
+MAX_QUEUED = 100_000  # batches handed over and not yet published (vLLM's max_queue_size)
+BUSY_POLL_MS = 2  # how often the publisher thread looks for batches while they flow
+IDLE_POLL_MS = 50  # ... and after IDLE_AFTER_S without any
+IDLE_AFTER_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -59,16 +64,18 @@ def event_socket(ctx: zmq.Context, kind: int, endpoint: str) -> tuple[zmq.Socket
 
 
 class KVEventPublisher(threading.Thread):
-    """Owns the PUB and replay sockets; fed through `inproc` by a CacheEventFeed."""
+    """Owns the PUB and replay sockets; takes batches from `queue` (filled by a CacheEventFeed)."""
 
     def __init__(self, config: KVEventsConfig, ctx: zmq.Context | None = None) -> None:
         super().__init__(name="kvscope-kv-events", daemon=True)
         self.config = config
         self.ctx = ctx or zmq.Context.instance()
         self.topic = config.topic.encode()
+        self.queue: deque[v.KVEventBatch] = deque()
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self.seqs = count()
-        self.sent = self.replays = self.bad_replays = self.send_errors = 0
+        self.sent = self.replays = self.bad_replays = self.send_errors = self.bytes = 0
+        self.stopping = threading.Event()
         self.pub, pub_at = event_socket(self.ctx, zmq.PUB, config.endpoint)
         self.pub.setsockopt(zmq.SNDHWM, config.hwm)
         self.replay = None
@@ -82,46 +89,38 @@ class KVEventPublisher(threading.Thread):
                 # instead of silently losing batches or the end marker.
                 self.replay.setsockopt(zmq.SNDHWM, config.buffer_steps + 1)
                 self.replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            self.inproc = f"inproc://kvscope-kv-events-{id(self)}"
-            self.pair = self.ctx.socket(zmq.PAIR)
-            self.pair.setsockopt(zmq.RCVHWM, HANDOVER_HWM)
-            self.pair.bind(self.inproc)
         except zmq.ZMQError:
             self._close_sockets()
             raise
         self.endpoints = (pub_at, replay_at)
 
-    def feed(self) -> zmq.Socket:
-        """The engine thread's end of the hand-over."""
-        sock = self.ctx.socket(zmq.PAIR)
-        sock.setsockopt(zmq.SNDHWM, HANDOVER_HWM)
-        sock.connect(self.inproc)
-        return sock
-
     def run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.pair, zmq.POLLIN)
-        if self.replay is not None:
-            poller.register(self.replay, zmq.POLLIN)
+        idle_since = time.monotonic()
         try:
-            while True:
-                ready = dict(poller.poll())
-                if self.replay is not None and self.replay in ready:
-                    self._serve_replays()
-                if self.pair in ready and not self._forward():
-                    return
+            while not self.stopping.is_set():
+                busy = time.monotonic() - idle_since < IDLE_AFTER_S
+                wait_ms = BUSY_POLL_MS if busy else IDLE_POLL_MS
+                if self.replay is not None:
+                    if self.replay.poll(wait_ms):
+                        self._serve_replays()
+                else:
+                    self.stopping.wait(wait_ms / 1000)
+                if self._forward():
+                    idle_since = time.monotonic()
+            self._forward()  # what the engine thread handed over before the stop
         finally:
             self._close_sockets()
 
-    def _forward(self) -> bool:
-        """Publish what the engine thread handed over; False on the stop sentinel (b"")."""
-        for _ in range(1000):
-            try:
-                payload = self.pair.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return True
-            if not payload:
-                return False
+    def stop(self) -> None:
+        self.stopping.set()
+        self.join(5)
+
+    def _forward(self) -> int:
+        """Publish the queued batches; returns how many."""
+        n = 0
+        while self.queue:
+            payload = v.encode_batch(self.queue.popleft())
+            self.bytes += len(payload)
             seq = next(self.seqs)
             try:
                 self.pub.send_multipart((self.topic, v.seq_bytes(seq), payload), zmq.NOBLOCK)
@@ -129,7 +128,8 @@ class KVEventPublisher(threading.Thread):
             except zmq.ZMQError:
                 self.send_errors += 1  # still buffered: a replay will deliver it
             self.buffer.append((seq, payload))
-        return True
+            n += 1
+        return n
 
     def _serve_replays(self) -> None:
         for _ in range(100):
@@ -154,18 +154,18 @@ class KVEventPublisher(threading.Thread):
                 self.bad_replays += 1  # the client is gone or hopelessly behind
 
     def _close_sockets(self) -> None:
-        for sock in (self.pub, getattr(self, "replay", None), getattr(self, "pair", None)):
+        for sock in (self.pub, self.replay):
             if sock is not None:
                 sock.close(linger=0)
 
 
 class CacheEventFeed:
-    """Engine-thread side: block-manager records in, encoded vLLM batches out."""
+    """Engine-thread side: block-manager records in, vLLM batches onto the publisher's deque."""
 
     def __init__(self, engine, publisher: KVEventPublisher) -> None:
         self.engine = engine
         self.publisher = publisher
-        self.out = publisher.feed()
+        self.queue = publisher.queue
         self.medium = v.MEDIUM_GPU if str(engine.device).startswith("cuda") else v.MEDIUM_CPU
         self.batches = self.events = self.dropped = 0
         self.publish_s = 0.0  # engine-thread time spent here
@@ -177,7 +177,7 @@ class CacheEventFeed:
         self.block_manager.cache_events = []
 
     def flush(self) -> v.KVEventBatch | None:
-        """Publish what changed since the last flush (at most one batch); returns it."""
+        """Hand over what changed since the last flush (at most one batch); returns it."""
         started = time.perf_counter()
         records = self.block_manager.cache_events
         cleared = self.engine.block_manager is not self.block_manager
@@ -189,12 +189,12 @@ class CacheEventFeed:
             events.append(v.AllBlocksCleared())
             self._attach()
         batch = v.KVEventBatch(time.time(), events, 0)
-        try:
-            self.out.send(v.encode_batch(batch), zmq.NOBLOCK)
+        if len(self.queue) < MAX_QUEUED:
+            self.queue.append(batch)
             self.batches += 1
             self.events += len(events)
-        except zmq.Again:
-            self.dropped += 1
+        else:
+            self.dropped += 1  # the publisher thread is stuck: never wait for it
         self.publish_s += time.perf_counter() - started
         return batch
 
@@ -206,12 +206,7 @@ class CacheEventFeed:
 
     def close(self) -> None:
         """Stop the publisher thread (after the engine thread is done with this feed)."""
-        try:
-            self.out.send(b"", zmq.NOBLOCK)
-        except zmq.Again:
-            pass
-        self.publisher.join(5)
-        self.out.close(linger=0)
+        self.publisher.stop()
 
 
 def to_vllm_events(records, block_size: int, medium: str) -> list[v.KVEvent]:
