@@ -12,7 +12,7 @@ import zmq
 
 from ipc import vllm_kv_events as v
 
-REPLAY_TIMEOUT_MS = 2000  # a replay that has not ended by then is abandoned (gap counted)
+REPLAY_TIMEOUT_MS = 5000  # a replay that has not ended by then is abandoned (gap counted)
 MAX_MESSAGE_BYTES = 64 << 20
 
 
@@ -81,6 +81,7 @@ class KVEventSubscriber:
         cannot give is counted as missed."""
         got: list[tuple[int, v.KVEventBatch]] = []
         if self.replay is not None:
+            self._drop_stale_replies()
             self.replay.send_multipart([b"", start.to_bytes(8, "big")])
             while self.replay.poll(REPLAY_TIMEOUT_MS):
                 frames = self.replay.recv_multipart()
@@ -102,6 +103,14 @@ class KVEventSubscriber:
         if until is not None:
             self._count_gap(until)
         return got
+
+    def _drop_stale_replies(self) -> None:
+        """The rest of an earlier replay that timed out: its end marker would end the next."""
+        while True:
+            try:
+                self.replay.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
 
     def catch_up(self) -> list[tuple[int, v.KVEventBatch]]:
         """Replay whatever came after the last batch seen: a gap shows only when a later batch

@@ -81,3 +81,20 @@ def test_a_chat_error_is_shown_and_the_turn_dropped(qtbot):
         qtbot.waitUntil(lambda: "127.0.0.1:9/metrics" in window.header.text(), timeout=30_000)
     finally:
         window.close()
+
+
+def test_kvscope_attach_vllm_from_the_command_line(fake, tmp_path):
+    """`kvscope --attach-vllm URL --kv-events ... --screenshot PATH`, as a user runs it."""
+    import subprocess
+    import sys
+
+    http, events = fake
+    shot = tmp_path / "attach.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvscope", "--attach-vllm", http.url, "--kv-events",
+         events.endpoint, "--kv-events-replay", events.replay_endpoint, "--screenshot",
+         str(shot), "--after", "4", "--size", "1400x900"],
+        check=False, capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, QT_QPA_PLATFORM="offscreen"))
+    assert proc.returncode == 0, proc.stderr
+    assert shot.stat().st_size > 10_000 and http.scrapes >= 2

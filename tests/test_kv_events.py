@@ -341,24 +341,42 @@ def test_a_slow_subscriber_loses_pub_messages_and_replays_them():
     feed = CacheEventFeed(FakeEngine(bm), pub)
     sub = KVEventSubscriber(*pub.endpoints, ctx=ctx, hwm=2)
     try:
-        first = connect_and_flush(feed, bm, sub.sub)  # connected; sub.last_seq is still -1
+        first = connect_and_flush(feed, bm, sub.sub)  # connected
         sub.last_seq = int.from_bytes(first[1], "big")
+        time.sleep(0.3)
+        while sub.sub.poll(100):  # what connect_and_flush published, read raw
+            sub.last_seq = int.from_bytes(sub.sub.recv_multipart()[1], "big")
+        start = sub.last_seq
         n, tokens = 5000, tuple(range(1024))  # ~3 KB a batch: more than the TCP buffers hold
         for h in range(n):  # the subscriber reads nothing meanwhile
             bm.cache_events.append(BlockCached(h, None, tokens))
             feed.flush()
         deadline = time.monotonic() + 60
-        while pub.sent + pub.send_errors < sub.last_seq + 1 + n and time.monotonic() < deadline:
+        while pub.sent + pub.send_errors < start + 1 + n and time.monotonic() < deadline:
             time.sleep(0.01)
         got = []
         while batches := sub.poll(500):
             got += batches
         got += sub.catch_up()  # the burst's tail, if PUB dropped it, shows no gap by itself
-        seqs = [s for s, _ in got]
-        assert seqs == list(range(sub.last_seq - n + 1, sub.last_seq + 1))
+        diag = (start, pub.sent, pub.send_errors, pub.replays, pub.bad_replays, sub.counters)
+        assert [s for s, _ in got] == list(range(start + 1, start + 1 + n)), diag
         assert [b.events[0].block_hashes for _, b in got] == [[h] for h in range(n)]
         assert sub.counters.replayed > 0 and sub.counters.missed == 0  # PUB dropped some
     finally:
         sub.close()
         feed.close()
         ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--kv-events-replay", "tcp://127.0.0.1:5558"], "--kv-events-replay needs --kv-events"),
+    (["--kv-events", "tcp://0.0.0.0:5557"], "refusing to bind tcp://0.0.0.0:5557"),
+    (["--kv-events", "tcp://127.0.0.1"], "has no port"),
+    (["--kv-events", "udp://x:1"], "not a ZeroMQ endpoint"),
+    (["--kv-events", "tcp://127.0.0.1:0", "--kv-events-buffer-steps", "0"], "must be >= 1"),
+])
+def test_bad_kv_events_options_are_refused_before_loading(argv, message, capsys):
+    from engine.cli.serve import main
+
+    assert main(["--model", "/nonexistent", *argv]) == 2
+    assert message in capsys.readouterr().err
