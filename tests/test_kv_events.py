@@ -325,10 +325,15 @@ def test_a_new_block_manager_is_all_blocks_cleared(publisher):
     feed = CacheEventFeed(engine, publisher)
     assert feed.flush() is None  # nothing changed: no batch
     old = engine.block_manager
+    run_prefill(old, seq_of([1, 2, 3, 4, 5]))  # two hashes in the old pool's cache
+    old.cache_events.clear()
     old.cache_events.append(BlockUncached(3))
     engine.block_manager = BlockManager(4, 4, enable_prefix_caching=True)  # reconfigure
     batch = feed.flush()
-    assert [type(e).__name__ for e in batch.events] == ["BlockRemoved", "AllBlocksCleared"]
+    removed, gone, cleared = batch.events
+    assert removed.block_hashes == [3]
+    assert gone.block_hashes == [h & HASH_MASK for h in old.hash_to_block] and len(gone.block_hashes) == 2
+    assert isinstance(cleared, v.AllBlocksCleared)
     assert engine.block_manager.cache_events == []  # recording on the new pool
 
 

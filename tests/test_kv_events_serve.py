@@ -59,6 +59,10 @@ def test_a_prompts_full_blocks_are_stored_then_cleared_on_reconfigure(server, cl
         events = collect(sub, lambda ev: any(isinstance(e, v.AllBlocksCleared) for e in ev))
         assert not [e for e in events if isinstance(e, v.BlockStored)
                     and e.block_hashes[0] == stored.block_hashes[0]]
+        # The rebuilt pool lost the prompt's blocks: removed, then everything cleared.
+        removed = {h for e in events if isinstance(e, v.BlockRemoved) for h in e.block_hashes}
+        assert set(stored.block_hashes) <= removed
+        assert isinstance(events[-1], v.AllBlocksCleared)
         # A late subscriber gets the same batches from the replay endpoint.
         late = KVEventSubscriber(*kv_endpoints(server), topic="kv")
         try:

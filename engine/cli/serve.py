@@ -157,6 +157,9 @@ def start_kv_events(engine, config):
     print(f"kvscope serve: KV events (vLLM format) on {pub}"
           + (f", replay on {replay}" if replay else "") + f", topic {config.topic!r}",
           file=sys.stderr, flush=True)
+    if not engine.config.enable_prefix_caching:
+        print("kvscope serve: note: --no-prefix-caching: no block enters the prefix cache, "
+              "so the KV-event stream stays empty", file=sys.stderr, flush=True)
     return CacheEventFeed(engine, publisher)
 
 

@@ -186,6 +186,10 @@ class CacheEventFeed:
         self.block_manager.cache_events = []
         events = to_vllm_events(records, self.block_manager.block_size, self.medium)
         if cleared:
+            # Every hash the old pool held goes, then the clear itself: a consumer that
+            # ignores AllBlocksCleared still ends up with an empty index.
+            gone = [BlockUncached(h) for h in self.block_manager.hash_to_block]
+            events += to_vllm_events(gone, self.block_manager.block_size, self.medium)
             events.append(v.AllBlocksCleared())
             self._attach()
         batch = v.KVEventBatch(time.time(), events, 0)
