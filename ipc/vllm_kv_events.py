@@ -21,7 +21,8 @@ from typing import Any
 
 import msgspec
 
-ExternalBlockHash = bytes | int  # vLLM sends sha256 bytes, or ints with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
+# vLLM sends sha256 bytes, or ints under VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES; kvscope sends ints.
+ExternalBlockHash = bytes | int
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)

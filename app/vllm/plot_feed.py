@@ -28,6 +28,8 @@ class StepFrame:
 
 @dataclass(frozen=True)
 class KvFrame:
+    """BatchPlots draws used / num_blocks; vLLM gives the ratio itself, so it is per mille."""
+
     time: float
     used: float
     num_blocks: int = 1000
