@@ -1,8 +1,11 @@
 """What a KV dtype costs in accuracy, measured on the embedded model against float32 KV.
 
-For each KV dtype: greedy agreement (share of generated positions before the first token that
-differs from the float32-KV continuation), mean KL divergence of next-token distributions along
-the float32 continuation (teacher-forced), and perplexity on resources/perplexity_text.txt.
+For each KV dtype, with and without the K/V rotation (kernels/rotation.py; 1-byte dtypes only,
+where it matters): prefix agreement (share of generated positions before the first token that
+differs from the float32-KV continuation, the number a user feels), positional agreement (share
+of positions whose token equals the reference's, which forgives a detour that comes back), mean
+KL divergence of next-token distributions along the float32 continuation (teacher-forced), and
+perplexity on resources/perplexity_text.txt.
 """
 from __future__ import annotations
 
@@ -23,16 +26,21 @@ PROMPTS = [
 ]
 TEXT = Path(__file__).resolve().parent.parent / "resources" / "perplexity_text.txt"
 DTYPES = ["float32", "bfloat16", "float16", "int8", "fp8"]
+ROTATIONS = ["hadamard", "none"]
+ONE_BYTE = ("int8", "fp8")
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="kvscope kv-accuracy", description=__doc__)
     p.add_argument("--model", default="default")
     p.add_argument("--dtypes", nargs="+", default=DTYPES, choices=DTYPES)
+    p.add_argument("--rotations", nargs="+", default=ROTATIONS, choices=ROTATIONS,
+                   help="K/V rotations to compare on int8/fp8 (wider dtypes run unrotated)")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--text-tokens", type=int, default=512, help="perplexity text length cap")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--json", action="store_true", help="one JSON object keyed by dtype")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object keyed by row (dtype, or dtype+rotation)")
     return p.parse_args(argv)
 
 
@@ -43,15 +51,22 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def positional(a: list[int], b: list[int]) -> float:
+    """Share of the reference's positions where the candidate has the same token."""
+    return sum(x == y for x, y in zip(a, b)) / max(len(b), 1)
+
+
 def measure(engine, prompts, reference, text_ids, max_tokens) -> dict:
     from engine.scoring import mean_kl, perplexity, token_log_probs
 
     greedy = _greedy(engine, prompts, max_tokens)
-    agree = [common_prefix(g, r) / max(len(r), 1) for g, r in zip(greedy, reference["tokens"])]
+    refs = reference["tokens"]
+    prefix = [common_prefix(g, r) / max(len(r), 1) for g, r in zip(greedy, refs)]
     kls = [mean_kl(ref_lp, token_log_probs(engine, p + r)[len(p) - 1:])
            for p, r, ref_lp in zip(prompts, reference["tokens"], reference["log_probs"])]
     return {
-        "greedy_agreement": sum(agree) / len(agree),
+        "prefix_agreement": sum(prefix) / len(prefix),
+        "positional_agreement": sum(positional(g, r) for g, r in zip(greedy, refs)) / len(refs),
         "mean_kl": sum(kls) / len(kls),
         "perplexity": perplexity(token_log_probs(engine, text_ids), text_ids),
         "kv_bytes_per_token": engine.stats()["kv_bytes_per_token"],
@@ -87,20 +102,31 @@ def run(args) -> dict:
                  "log_probs": [token_log_probs(engine, p + r)[len(p) - 1:]
                                for p, r in zip(prompts, ref_tokens)]}
     results = {}
-    for dtype in args.dtypes:
-        print(f"[kv-accuracy] {dtype} ...", file=sys.stderr)
-        engine.reconfigure(kv_dtype=dtype)
+    for dtype, rotation in rows(args.dtypes, args.rotations):
+        name = row_name(dtype, rotation)
+        print(f"[kv-accuracy] {name} ...", file=sys.stderr)
+        engine.reconfigure(kv_dtype=dtype, kv_rotation=rotation)
         result = measure(engine, prompts, reference, text_ids, args.max_tokens)
         result.pop("greedy")
-        results[dtype] = result
+        results[name] = {"kv_dtype": dtype, "kv_rotation": rotation, **result}
     return results
 
 
+def rows(dtypes: list[str], rotations: list[str]) -> list[tuple[str, str]]:
+    """(dtype, rotation) pairs: every rotation for 1-byte dtypes, unrotated for the rest."""
+    return [(d, r) for d in dtypes for r in (rotations if d in ONE_BYTE else ["none"])]
+
+
+def row_name(dtype: str, rotation: str) -> str:
+    return f"{dtype}+{rotation}" if dtype in ONE_BYTE else dtype
+
+
 def print_table(results: dict) -> None:
-    print(f"{'kv dtype':10} {'bytes/token':>12} {'greedy agree':>13} {'mean KL':>10} "
-          f"{'perplexity':>11}")
-    for dtype, r in results.items():
-        print(f"{dtype:10} {r['kv_bytes_per_token']:12d} {r['greedy_agreement']:12.1%} "
+    print(f"{'kv dtype':10} {'rotation':>9} {'bytes/token':>12} {'prefix agree':>13} "
+          f"{'position agree':>15} {'mean KL':>10} {'perplexity':>11}")
+    for r in results.values():
+        print(f"{r['kv_dtype']:10} {r['kv_rotation']:>9} {r['kv_bytes_per_token']:12d} "
+              f"{r['prefix_agreement']:12.1%} {r['positional_agreement']:14.1%} "
               f"{r['mean_kl']:10.5f} {r['perplexity']:11.3f}")
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 KV_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8")
+# "auto": rotate 1-byte KV (int8, fp8), where it keeps the answers, and leave wider KV alone.
+KV_ROTATIONS = ("auto", "hadamard", "none")
 MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
@@ -24,6 +26,7 @@ class EngineConfig:
     dtype: str = "auto"
     block_size: int = 16
     kv_dtype: str = "auto"
+    kv_rotation: str = "auto"
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
     num_kv_blocks: int | None = None
     max_num_seqs: int = 64
@@ -44,6 +47,8 @@ class EngineConfig:
             _fail("dtype", self.dtype, f"one of {MODEL_DTYPES}")
         if self.kv_dtype not in KV_DTYPES:
             _fail("kv_dtype", self.kv_dtype, f"one of {KV_DTYPES}")
+        if self.kv_rotation not in KV_ROTATIONS:
+            _fail("kv_rotation", self.kv_rotation, f"one of {KV_ROTATIONS}")
         if not _is_int(self.block_size) or not _is_power_of_two(self.block_size) \
                 or self.block_size > 256:
             _fail("block_size", self.block_size, "a power of two from 1 to 256")
@@ -104,6 +109,13 @@ def resolve_kv_dtype(kv_dtype: str, model_dtype: str, device: str):
     if device == "cuda":
         check_cuda_supports(kv_dtype, dtype)
     return dtype
+
+
+def resolve_kv_rotation(kv_rotation: str, one_byte_kv: bool) -> str:
+    """'hadamard' or 'none'; 'auto' rotates exactly the 1-byte (int8/fp8) pools."""
+    if kv_rotation == "auto":
+        return "hadamard" if one_byte_kv else "none"
+    return kv_rotation
 
 
 def check_cuda_supports(name: str, dtype) -> None:

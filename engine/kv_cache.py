@@ -7,6 +7,7 @@ import torch
 
 from engine.model import ModelShape
 from kernels.quant import SCALE_DTYPE, is_quantized
+from kernels.rotation import rotation_matrix
 
 
 def kv_bytes_per_token(shape: ModelShape, dtype: torch.dtype) -> int:
@@ -29,10 +30,12 @@ class KVPool:
     block_size: int
     dtype: torch.dtype
     bytes_per_token: int
+    # R [head_dim, head_dim] float32 when the pool holds rotated K/V (kernels.rotation).
+    rotation: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, shape: ModelShape, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: str) -> KVPool:
+                 dtype: torch.dtype, device: str, rotation: str = "none") -> KVPool:
         dims = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
         def zeros(size, dt):
             return torch.zeros(size, dtype=dt, device=device)
@@ -43,7 +46,8 @@ class KVPool:
             scales = [(zeros(dims[:3], SCALE_DTYPE), zeros(dims[:3], SCALE_DTYPE))
                       for _ in range(shape.num_layers)]
         return cls(caches, scales, num_blocks, block_size, dtype,
-                   kv_bytes_per_token(shape, dtype))
+                   kv_bytes_per_token(shape, dtype),
+                   rotation_matrix(rotation, shape.head_dim, device))
 
     def layer(self, i: int) -> tuple:
         """(k_cache, v_cache, k_scale, v_scale) of layer i; scales are None unless quantized."""

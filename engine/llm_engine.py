@@ -11,7 +11,13 @@ from dataclasses import replace
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig, resolve_device, resolve_dtype, resolve_kv_dtype
+from engine.config import (
+    EngineConfig,
+    resolve_device,
+    resolve_dtype,
+    resolve_kv_dtype,
+    resolve_kv_rotation,
+)
 from engine.detokenizer import decode_delta, decode_rest
 from engine.kv_cache import KVPool, kv_bytes_per_token, num_blocks_for_budget
 from engine.loader import LoadedModel, load_model
@@ -22,14 +28,15 @@ from engine.sampler import make_generator, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence
+from kernels.quant import is_quantized
 
 
 def kv_dtype_name(dtype: torch.dtype) -> str:
     return "fp8" if dtype == torch.float8_e4m3fn else str(dtype).removeprefix("torch.")
 
 
-RECONFIGURABLE = frozenset({"block_size", "kv_dtype", "kv_cache_bytes", "num_kv_blocks",
-                            "max_num_seqs", "max_num_batched_tokens",
+RECONFIGURABLE = frozenset({"block_size", "kv_dtype", "kv_rotation", "kv_cache_bytes",
+                            "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
                             "enable_prefix_caching"})
 
 
@@ -65,6 +72,7 @@ class LLMEngine:
     def _build_pool(self) -> None:
         cfg, shape = self.config, self.model.shape
         self.kv_dtype = self._kv_torch_dtype(cfg)
+        self.kv_rotation = resolve_kv_rotation(cfg.kv_rotation, is_quantized(self.kv_dtype))
         self.pool = None  # let the old pool go before the new one is allocated
         per_token = kv_bytes_per_token(shape, self.kv_dtype)
         num_blocks = cfg.num_kv_blocks or num_blocks_for_budget(
@@ -73,7 +81,8 @@ class LLMEngine:
             raise ValueError(f"EngineConfig.kv_cache_bytes={cfg.kv_cache_bytes} is invalid: "
                              f"one block of {cfg.block_size} tokens needs "
                              f"{cfg.block_size * per_token} bytes")
-        self.pool = KVPool.allocate(shape, num_blocks, cfg.block_size, self.kv_dtype, self.device)
+        self.pool = KVPool.allocate(shape, num_blocks, cfg.block_size, self.kv_dtype, self.device,
+                                    self.kv_rotation)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         old = getattr(self, "scheduler", None)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs,
@@ -283,6 +292,7 @@ class LLMEngine:
             "num_kv_blocks": bm.num_blocks,
             "block_size": bm.block_size,
             "kv_dtype": kv_dtype_name(self.kv_dtype),
+            "kv_rotation": self.kv_rotation,
             "kv_bytes_per_token": self.pool.bytes_per_token,
             "kv_cache_bytes": self.pool.nbytes,
             "num_free_blocks": bm.num_free_blocks,

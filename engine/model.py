@@ -136,8 +136,9 @@ class PagedLlama:
         q = q * c + rotate_half(q) * sn
         k = k * c + rotate_half(k) * sn
         k_cache, v_cache, k_scale, v_scale = kv
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-        o = paged_attention(q, k_cache, v_cache, meta, self.scale, k_scale, v_scale)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale, meta.rotation)
+        o = paged_attention(q, k_cache, v_cache, meta, self.scale, k_scale, v_scale,
+                            meta.rotation)
         return F.linear(o.reshape(-1, q_size), layer.o_proj)
 
     @staticmethod

@@ -57,4 +57,5 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             decode_groups=group_decode_rows(starts, ctx_lens),
             prefill_seqs=prefill,
+            rotation=self.pool.rotation,
         )

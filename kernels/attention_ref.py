@@ -24,6 +24,9 @@ class AttentionMetadata:
     # Single-query sequences in groups of similar length: (query rows, context lengths, batch indices).
     decode_groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     prefill_seqs: list[int]           # indices of sequences with several queries
+    # The pool's K/V rotation R [head_dim, head_dim] (kernels.rotation), None if unrotated;
+    # kernels.ops applies it, the references here always see plain tensors.
+    rotation: torch.Tensor | None = None
 
 
 def group_decode_rows(query_start_loc: list[int], context_lens: list[int],

@@ -13,6 +13,7 @@ import torch
 
 from kernels.attention_ref import AttentionMetadata, paged_attention_ref
 from kernels.kv_write_ref import write_kv_ref
+from kernels.rotation import rotate, unrotate
 
 ENV = "KVSCOPE_KERNELS"
 BACKENDS = ("ref", "triton")
@@ -35,25 +36,37 @@ def backend(device: torch.device | str) -> str:
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+             rotation: torch.Tensor | None = None) -> None:
     """Scatter new K/V rows into their slots (quantizing for int8/fp8 pools); see
-    kernels.kv_write_ref.write_kv_ref."""
+    kernels.kv_write_ref.write_kv_ref. With a `rotation` R (kernels.rotation) the pool holds
+    key @ R and value @ R; the Triton kernel rotates in registers on the way."""
     if backend(k_cache.device) == "triton":
         from kernels.triton_kv_write import write_kv_triton
 
-        write_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        write_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+                        rotation=rotation)
     else:
-        write_kv_ref(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        write_kv_ref(rotate(key, rotation), rotate(value, rotation), k_cache, v_cache,
+                     slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float,
                     k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    v_scale: torch.Tensor | None = None,
+                    rotation: torch.Tensor | None = None) -> torch.Tensor:
     """Varlen paged attention (decode rows and prefill chunks); see
-    kernels.attention_ref.paged_attention_ref."""
+    kernels.attention_ref.paged_attention_ref. With a `rotation` R the pool holds rotated K/V:
+    the query is rotated the same way and the output rotated back (o = (o R) R^T), so the
+    result is attention over the unrotated K/V; the Triton kernel does both in registers."""
     if backend(query.device) == "triton":
         from kernels.triton_attention import paged_attention_triton
 
-        return paged_attention_triton(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
-    return paged_attention_ref(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
+        return paged_attention_triton(query, k_cache, v_cache, meta, scale, k_scale, v_scale,
+                                      rotation=rotation)
+    if rotation is None:
+        return paged_attention_ref(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
+    out = paged_attention_ref(rotate(query, rotation).to(query.dtype), k_cache, v_cache, meta,
+                              scale, k_scale, v_scale)
+    return unrotate(out, rotation).to(query.dtype)

@@ -49,7 +49,7 @@ import triton.language as tl
 
 from kernels.attention_ref import AttentionMetadata
 from kernels.quant import is_quantized
-from kernels.triton_kv_write import _bf16_rne
+from kernels.triton_kv_write import _bf16_rne, check_rotation
 
 _LOG2E = 1.4426950408889634
 
@@ -81,6 +81,7 @@ def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
     qsl_ptr, ctx_ptr, tile_seq_ptr, tile_q_ptr,
     out_ptr, part_acc_ptr, part_ml_ptr,
+    rot_ptr,                          # R [HEAD_DIM, HEAD_DIM] float32 when ROTATE
     sqt, sqh, sqd,                    # query strides
     scb, scs, sch, scd,               # cache strides (K and V share them)
     ssb, sss, ssh,                    # scale cache strides
@@ -93,7 +94,7 @@ def _paged_attention_kernel(
     GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, KV_KIND: tl.constexpr,
     QUANT: tl.constexpr, DOT: tl.constexpr, F32_PRECISION: tl.constexpr,
-    BF16_OUT: tl.constexpr,
+    BF16_OUT: tl.constexpr, ROTATE: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -117,7 +118,13 @@ def _paged_attention_kernel(
     d_ok = d < HEAD_DIM
 
     q = tl.load(q_ptr + token[:, None] * sqt + head[:, None] * sqh + d[None, :] * sqd,
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT)
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if ROTATE:
+        # The pool holds K @ R: attend with q @ R (same scores), in registers.
+        r = tl.load(rot_ptr + d[:, None] * HEAD_DIM + d[None, :],
+                    mask=d_ok[:, None] & d_ok[None, :], other=0.0)
+        q = tl.dot(q.to(tl.float32), r, input_precision="ieee")
+    q = q.to(DOT)
 
     # Keys this tile can see: up to its last query's position.
     kv_end = ctx - q_len + tl.minimum(q_first + BLOCK_Q, q_len)
@@ -175,6 +182,12 @@ def _paged_attention_kernel(
         m_i = m_new
 
     out_mask = row_ok[:, None] & d_ok[None, :]
+    if ROTATE:
+        # The pool holds V @ R, so acc is (P V) R: turn it back with R^T before it leaves the
+        # registers (linear, so partial results of split KV merge unchanged).
+        rt = tl.load(rot_ptr + d[None, :] * HEAD_DIM + d[:, None],
+                     mask=d_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = tl.dot(acc, rt, input_precision="ieee")
     if NUM_SPLITS == 1:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         o = acc / l_safe[:, None]
@@ -279,11 +292,15 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            meta: AttentionMetadata, scale: float,
                            k_scale: torch.Tensor | None = None,
                            v_scale: torch.Tensor | None = None, *,
+                           rotation: torch.Tensor | None = None,
                            out: torch.Tensor | None = None, num_splits: int | None = None,
                            block_n: int | None = None) -> torch.Tensor:
     """query: [T, heads, head_dim] -> [T, heads, head_dim] in query's dtype.
 
-    Keyword-only extras: `out` (written in place and returned), `num_splits` (KV splits per
+    Keyword-only extras: `rotation` (R [head_dim, head_dim] float32: the pool holds K @ R and
+    V @ R; the kernel rotates q by R after loading it and the output by R^T before storing
+    it, so the result is attention over the unrotated K/V), `out` (written in place and
+    returned), `num_splits` (KV splits per
     tile; default: chosen from the GPU's size, 1 on the interpreter), `block_n` (KV tile).
     """
     num_tokens, num_heads, head_dim = query.shape
@@ -309,6 +326,7 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                          f"query has {num_tokens} rows")
     device = query.device
     interpret = device.type != "cuda"
+    rot = check_rotation(rotation, head_dim, device)
 
     quant = is_quantized(k_cache.dtype)
     kc, vc = k_cache, v_cache
@@ -367,7 +385,7 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     _paged_attention_kernel[(n_tiles, kv_heads, num_splits)](
         query, kc, vc, ks, vs, tables,
         step["qsl"], step["ctx"], step["tile_seq"], step["tile_q"],
-        out, part_acc, part_ml,
+        out, part_acc, part_ml, query if rot is None else rot,
         *query.stride(), *k_cache.stride(), *scale_strides, tables.stride(0), *out.stride(),
         num_tokens, num_heads,
         float(scale) * _LOG2E * fix, fix,
@@ -375,7 +393,7 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
         KV_KIND=kind, QUANT=quant, DOT=dot_tl[dot],
         F32_PRECISION=("ieee" if interpret else "tf32x3") if f32 else "",
-        BF16_OUT=bf16_out, num_warps=num_warps,
+        BF16_OUT=bf16_out, ROTATE=rot is not None, num_warps=num_warps,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](

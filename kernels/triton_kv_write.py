@@ -95,9 +95,10 @@ def _kv_write_kernel(
     skt, skh, skd, svt, svh, svd,                       # key / value strides
     kcb, kcs, kch, kcd, vcb, vcs, vch, vcd,             # cache strides
     ksb, kss, ksh, vsb, vss, vsh,                       # scale cache strides
+    rot_ptr,                                            # R [head_dim, head_dim] float32
     block_size, kv_heads, head_dim,
     KIND: tl.constexpr, QMAX_V: tl.constexpr, MIN_S: tl.constexpr, BF16: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, ROTATE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -111,6 +112,13 @@ def _kv_write_kernel(
         k = tl.load(key_ptr + t * skt + h[:, None] * skh + d[None, :] * skd, mask=mask, other=0.0)
         v = tl.load(value_ptr + t * svt + h[:, None] * svh + d[None, :] * svd, mask=mask,
                     other=0.0)
+        if ROTATE:
+            # x @ R in registers (BLOCK_H >= 16 rows for tl.dot; padded rows are zeros).
+            d_ok = d < head_dim
+            r = tl.load(rot_ptr + d[:, None] * head_dim + d[None, :],
+                        mask=d_ok[:, None] & d_ok[None, :], other=0.0)
+            k = tl.dot(k.to(tl.float32), r, input_precision="ieee")
+            v = tl.dot(v.to(tl.float32), r, input_precision="ieee")
         k_dst = k_cache_ptr + blk * kcb + off * kcs + h[:, None] * kch + d[None, :] * kcd
         v_dst = v_cache_ptr + blk * vcb + off * vcs + h[:, None] * vch + d[None, :] * vcd
         if KIND == 0:
@@ -126,10 +134,12 @@ def _kv_write_kernel(
 def write_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                     k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> None:
+                    v_scale: torch.Tensor | None = None, *,
+                    rotation: torch.Tensor | None = None) -> None:
     """key/value: [T, kv_heads, head_dim] (any strides); caches: [num_blocks, block_size,
     kv_heads, head_dim]; scales (int8/fp8 caches only): [num_blocks, block_size, kv_heads]
-    float32. Writes in place; slots < 0 are skipped."""
+    float32. Writes in place; slots < 0 are skipped. `rotation` R [head_dim, head_dim]
+    float32: the pool gets key @ R and value @ R, rotated in registers before quantizing."""
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"K and V caches differ in dtype: {k_cache.dtype} vs {v_cache.dtype}")
     num_tokens, kv_heads, head_dim = key.shape
@@ -158,13 +168,28 @@ def write_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
         kc, vc = k_cache, v_cache
         ks = vs = k_cache  # unused placeholders (never dereferenced when KIND == 0)
     slots = slot_mapping if slot_mapping.device == key.device else slot_mapping.to(key.device)
+    rot = check_rotation(rotation, head_dim, key.device)
     ksst = ks.stride() if quant else (0, 0, 0)
     vsst = vs.stride() if quant else (0, 0, 0)
     _kv_write_kernel[(num_tokens,)](
         key, value, kc, vc, ks, vs, slots,
         *key.stride(), *value.stride(), *kc.stride(), *vc.stride(), *ksst, *vsst,
-        k_cache.shape[1], kv_heads, head_dim,
+        key if rot is None else rot, k_cache.shape[1], kv_heads, head_dim,
         KIND=kind, QMAX_V=qmax, MIN_S=MIN_SCALE,
-        BF16=k_cache.dtype == torch.bfloat16 and key.dtype != torch.bfloat16,
-        BLOCK_H=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        BF16=k_cache.dtype == torch.bfloat16 and (key.dtype != torch.bfloat16 or rot is not None),
+        BLOCK_H=triton.next_power_of_2(max(kv_heads, 16 if rot is not None else 1)),
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)) if rot is not None
+        else triton.next_power_of_2(head_dim),
+        ROTATE=rot is not None,
     )
+
+
+def check_rotation(rotation: torch.Tensor | None, head_dim: int,
+                   device: torch.device) -> torch.Tensor | None:
+    """The rotation as the kernels read it: contiguous float32 [head_dim, head_dim] on device."""
+    if rotation is None:
+        return None
+    if rotation.shape != (head_dim, head_dim):
+        raise ValueError(f"rotation has shape {tuple(rotation.shape)}, expected "
+                         f"({head_dim}, {head_dim})")
+    return rotation.to(device=device, dtype=torch.float32).contiguous()

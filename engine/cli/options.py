@@ -3,7 +3,13 @@ from __future__ import annotations
 
 import argparse
 
-from engine.config import DEFAULT_KV_CACHE_BYTES, KV_DTYPES, MODEL_DTYPES, EngineConfig
+from engine.config import (
+    DEFAULT_KV_CACHE_BYTES,
+    KV_DTYPES,
+    KV_ROTATIONS,
+    MODEL_DTYPES,
+    EngineConfig,
+)
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
@@ -14,6 +20,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=MODEL_DTYPES)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES)
+    g.add_argument("--kv-rotation", default="auto", choices=KV_ROTATIONS,
+                   help="rotate K/V (Hadamard) before storing them; auto: for int8/fp8 only")
     g.add_argument("--kv-cache-bytes", type=parse_bytes, default=DEFAULT_KV_CACHE_BYTES,
                    help="KV memory budget, e.g. 268435456, 256M or 1G")
     g.add_argument("--num-kv-blocks", type=int, default=None)
@@ -35,7 +43,7 @@ def parse_bytes(text: str) -> int:
 def engine_config_from_args(args) -> EngineConfig:
     return EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-        kv_dtype=args.kv_dtype, kv_cache_bytes=args.kv_cache_bytes,
+        kv_dtype=args.kv_dtype, kv_rotation=args.kv_rotation, kv_cache_bytes=args.kv_cache_bytes,
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed)
