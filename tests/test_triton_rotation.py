@@ -55,15 +55,16 @@ def test_rotated_write_matches_the_torch_path(monkeypatch, dtype, head_dim):
 
     msg = f"{dtype}, head_dim {head_dim} {where(seed)}"
     for i, name in enumerate(("k", "v")):
-        a, b = got[i].view(-1, kv_heads, head_dim)[slots], want[i].view(-1, kv_heads, head_dim)[slots]
+        rows = lambda t: t.view(-1, kv_heads, head_dim)
+        a, b = rows(got[i])[slots], rows(want[i])[slots]
         assert not bool(poisoned(a).any()), f"{name}: a written slot is poisoned: {msg}"
         unwritten = torch.ones(num_blocks * block_size, dtype=torch.bool)
         unwritten[slots] = False
-        assert bool(poisoned(got[i].view(-1, kv_heads, head_dim)[unwritten]).all()), msg
+        assert bool(poisoned(rows(got[i])[unwritten]).all()), f"{name}: slot changed: {msg}"
         if not is_quantized(dtype):
             tol = 1e-5 if dtype == torch.float32 else 1e-2
             torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol,
-                                       msg=lambda m: f"{name}: {m}\n{msg}")
+                                       msg=lambda m, name=name: f"{name}: {m}\n{msg}")
             continue
         sa, sb = got[2 + i].view(-1, kv_heads)[slots], want[2 + i].view(-1, kv_heads)[slots]
         torch.testing.assert_close(sa, sb, rtol=1e-5, atol=0, msg=lambda m: f"{m}\n{msg}")
