@@ -70,6 +70,7 @@ def summarize(trace: Trace) -> dict:
 
     return {
         "model": trace.header.model, "block_size": bs, "kv_dtype": trace.header.kv_dtype,
+        "kv_rotation": trace.header.kv_rotation,
         "num_kv_blocks": trace.header.num_kv_blocks,
         "requests": len(arrivals), "finished": len(trace.of_type(Finish)),
         "aborted": len(trace.of_type(Abort)), "steps": len(steps),
@@ -276,6 +277,7 @@ def to_chrome(trace: Trace) -> dict:
             "metadata": {"kvscope_model": trace.header.model,
                          "block_size": trace.header.block_size,
                          "kv_dtype": trace.header.kv_dtype,
+                         "kv_rotation": trace.header.kv_rotation,
                          "wall_time": trace.header.wall_time}}
 
 

@@ -52,7 +52,7 @@ class TraceRecorder:
             dtype=str(engine.dtype).removeprefix("torch."), kv_dtype=kv_dtype_name(engine.kv_dtype),
             block_size=bm.block_size, num_kv_blocks=bm.num_blocks,
             config=engine.config.to_dict(), wall_time=time.time(), monotonic=self.anchor,
-            include_prompts=include_prompts))
+            include_prompts=include_prompts, kv_rotation=engine.kv_rotation))
 
     def _write(self, line) -> None:
         self._file.write(self._enc.encode(line) + b"\n")
@@ -90,7 +90,8 @@ class TraceRecorder:
         bm = engine.block_manager
         self._write(Reconfigure(t=t, config=engine.config.to_dict(),
                                 kv_dtype=kv_dtype_name(engine.kv_dtype),
-                                block_size=bm.block_size, num_kv_blocks=bm.num_blocks))
+                                block_size=bm.block_size, num_kv_blocks=bm.num_blocks,
+                                kv_rotation=engine.kv_rotation))
 
     def record_step(self, engine, step):
         """Run `step()` (the engine's own) and write what it did."""

@@ -31,6 +31,7 @@ class Header(_Line, tag="header"):
     wall_time: float
     monotonic: float
     include_prompts: bool
+    kv_rotation: str = "none"  # resolved: "hadamard" or "none" (traces before it: "none")
 
 
 class Arrival(_Line, tag="arrival"):
@@ -97,6 +98,7 @@ class Reconfigure(_Line, tag="reconfigure"):
     kv_dtype: str
     block_size: int
     num_kv_blocks: int
+    kv_rotation: str = "none"
 
 
 Event = Arrival | Step | Alloc | Free | Preempt | Token | Finish | Abort | Reconfigure

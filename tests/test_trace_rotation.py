@@ -1,0 +1,60 @@
+"""Traces record the K/V rotation, and a replay can switch it (A/B against the old behaviour)."""
+from __future__ import annotations
+
+import pytest
+from test_trace_cli import run_json
+from test_trace_record import record
+from tiny_models import save_tiny_model
+
+from engine.traces.reader import read_trace
+from engine.traces.schema import Reconfigure
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("llama"), "llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def recorded(model, tmp_path_factory):
+    path = tmp_path_factory.mktemp("rec") / "t.jsonl"
+    record(model, path)
+    return path
+
+
+def replay(capsys, model, recorded, out, *options):
+    return run_json(capsys, ["replay", str(recorded), "--model", str(model), *options,
+                             "--num-kv-blocks", "64", "--block-size", "8", "--speed", "max",
+                             "--json", "-o", str(out)])
+
+
+@pytest.mark.parametrize("options,rotation", [([], "hadamard"), (["--kv-rotation", "none"], "none")])
+def test_int8_replay_records_the_rotation(model, recorded, tmp_path, capsys, options, rotation):
+    out = tmp_path / "r.jsonl"
+    s = replay(capsys, model, recorded, out, "--kv-dtype", "int8", *options)
+    assert s["kv_rotation"] == rotation and s["finished"] == 4
+    header = read_trace(out).header
+    assert (header.kv_dtype, header.kv_rotation) == ("int8", rotation)
+
+
+def test_float32_replay_with_rotation_reproduces_the_outputs(model, recorded, tmp_path, capsys):
+    """Rotation is exact in float32: greedy outputs stay identical to the recording."""
+    assert read_trace(recorded).header.kv_rotation == "none"
+    s = replay(capsys, model, recorded, tmp_path / "r.jsonl", "--kv-dtype", "float32",
+               "--kv-rotation", "hadamard")
+    assert s["kv_rotation"] == "hadamard"
+    assert s["outputs_identical"] is True and s["outputs_compared"] == 4
+
+
+def test_a_live_rotation_change_is_in_the_trace(model, tmp_path):
+    from engine import LLM, EngineConfig
+    from engine.traces.recorder import start_trace
+
+    llm = LLM(EngineConfig(model=str(model), kv_dtype="int8", num_kv_blocks=32))
+    path = tmp_path / "t.jsonl"
+    start_trace(llm.engine, str(path))
+    llm.engine.reconfigure(kv_rotation="none")
+    llm.engine.stop_trace()
+    trace = read_trace(path)
+    assert trace.header.kv_rotation == "hadamard"
+    assert [e.kv_rotation for e in trace.of_type(Reconfigure)] == ["none"]
