@@ -85,7 +85,7 @@ class EngineStatusBar(QStatusBar):
         model = "SmolLM2-135M-Instruct (embedded)" if model == "default" else Path(model).name
         self.engine_label.setText(
             f"{e.get('device', '?')} · {model} · {e.get('dtype', '?')} · KV "
-            f"{e.get('kv_dtype', '?')} · block {e.get('block_size', '?')} · "
+            f"{e.get('kv_dtype', '?')}{rotation_text(e)} · block {e.get('block_size', '?')} · "
             f"{human_bytes(e.get('kv_cache_bytes'))} KV · up {stats.uptime_s:.0f} s")
         self.blocks_label.setText(f"blocks {e.get('num_free_blocks', 0)} free / "
                                   f"{e.get('num_kv_blocks', 0)} total")
@@ -127,3 +127,10 @@ class EngineStatusBar(QStatusBar):
         if state != self.state:
             self.state = state
             self.stateChanged.emit(state)
+
+
+def rotation_text(engine_stats: dict) -> str:
+    """' + Hadamard' (or the matrix the head dim got) when the engine stores K/V rotated."""
+    if engine_stats.get("kv_rotation") in (None, "none"):
+        return ""
+    return f" + {engine_stats.get('kv_rotation_matrix') or engine_stats['kv_rotation']}"

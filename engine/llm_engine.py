@@ -29,6 +29,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence
 from kernels.quant import is_quantized
+from kernels.rotation import matrix_name
 
 
 def kv_dtype_name(dtype: torch.dtype) -> str:
@@ -293,6 +294,8 @@ class LLMEngine:
             "block_size": bm.block_size,
             "kv_dtype": kv_dtype_name(self.kv_dtype),
             "kv_rotation": self.kv_rotation,
+            "kv_rotation_matrix": matrix_name(self.model.shape.head_dim)
+            if self.kv_rotation != "none" else None,
             "kv_bytes_per_token": self.pool.bytes_per_token,
             "kv_cache_bytes": self.pool.nbytes,
             "num_free_blocks": bm.num_free_blocks,

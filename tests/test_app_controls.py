@@ -53,3 +53,29 @@ def test_nothing_to_apply(qtbot):
     with qtbot.assertNotEmitted(panel.reconfigureRequested):
         panel.apply()
     assert "Nothing to apply" in panel.result.text()
+
+
+def test_kv_rotation_is_a_knob_next_to_the_dtype(qtbot):
+    panel = ControlsPanel()
+    qtbot.addWidget(panel)
+    panel.show_config(dict(CONFIG, kv_dtype="int8", kv_rotation="auto"))
+    assert panel.kv_rotation.currentText() == "auto"
+    assert "Hadamard-rotated" in panel.rotation_note.text()  # auto rotates int8
+    panel.kv_rotation.setCurrentText("none")
+    assert "unrotated" in panel.rotation_note.text()
+    with qtbot.waitSignal(panel.reconfigureRequested) as sig:
+        panel.apply_button.click()
+    assert sig.args == [{"kv_rotation": "none"}]
+    panel.show_applied(dict(CONFIG, kv_dtype="int8", kv_rotation="none"))
+    assert "kv_rotation=none" in panel.result.text() and panel.changes() == {}
+    panel.kv_dtype.setCurrentText("bfloat16")
+    panel.kv_rotation.setCurrentText("auto")
+    assert panel.rotation_note.text() == "unrotated"  # auto leaves 2-byte KV alone
+
+
+def test_an_engine_without_the_rotation_option_is_not_sent_one(qtbot):
+    panel = ControlsPanel()
+    qtbot.addWidget(panel)
+    panel.show_config(CONFIG)  # no kv_rotation in it
+    panel.block_size.setCurrentText("32")
+    assert panel.changes() == {"block_size": 32}

@@ -56,3 +56,17 @@ def test_metrics_url_is_shown_only_when_served(qtbot):
     bar.show_hello(m.HelloResult(1, "x", "default", 1, {}, 512, 1 << 20))
     assert not bar.metrics_label.isVisible() and bar.metrics_label.text() == ""
     bar.stop_watching()
+
+
+def test_the_kv_rotation_is_shown_with_the_dtype(qtbot):
+    bar = EngineStatusBar()
+    qtbot.addWidget(bar)
+    bar.show_stats(stats_frame(kv_dtype="int8", kv_rotation="hadamard",
+                               kv_rotation_matrix="Hadamard"))
+    assert "KV int8 + Hadamard ·" in bar.engine_label.text()
+    bar.show_stats(stats_frame(kv_dtype="int8", kv_rotation="none", kv_rotation_matrix=None))
+    assert "KV int8 ·" in bar.engine_label.text()
+    bar.show_stats(stats_frame(kv_dtype="fp8", kv_rotation="hadamard",
+                               kv_rotation_matrix="random orthogonal"))
+    assert "KV fp8 + random orthogonal ·" in bar.engine_label.text()
+    bar.stop_watching()

@@ -1,4 +1,4 @@
-"""Engine knobs: block size, KV dtype, KV budget, max sequences, max batched tokens, prefix
+"""Engine knobs: block size, KV dtype and its rotation, KV budget, max sequences, max batched tokens, prefix
 caching. Apply emits the changed values; the panel then shows what the engine applied (or the
 refusal and its reason), busy while the pool is rebuilt."""
 from __future__ import annotations
@@ -19,8 +19,10 @@ from PySide6.QtWidgets import (
 
 BLOCK_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 KV_DTYPES = ["auto", "float32", "float16", "bfloat16", "int8", "fp8"]
+KV_ROTATIONS = ["auto", "hadamard", "none"]
+ONE_BYTE = ("int8", "fp8")
 MIB = 1024 * 1024
-KEYS = ("block_size", "kv_dtype", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens",
+KEYS = ("block_size", "kv_dtype", "kv_rotation", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens",
         "enable_prefix_caching")
 
 
@@ -35,6 +37,17 @@ class ControlsPanel(QWidget):
         self.block_size.addItems([str(b) for b in BLOCK_SIZES])
         self.kv_dtype = QComboBox()
         self.kv_dtype.addItems(KV_DTYPES)
+        self.kv_rotation = QComboBox()
+        self.kv_rotation.addItems(KV_ROTATIONS)
+        self.kv_rotation.setToolTip(
+            "Rotate q, k and v by a Hadamard matrix before the KV cache stores them (and the "
+            "output back): exact in full precision, same bytes per token, and int8/fp8 KV keep "
+            "far more of the answers. auto: on for int8/fp8, off otherwise.")
+        self.rotation_note = QLabel("")
+        self.rotation_note.setObjectName("note")
+        self.rotation_note.setWordWrap(True)
+        self.kv_dtype.currentTextChanged.connect(lambda _t: self._show_rotation_note())
+        self.kv_rotation.currentTextChanged.connect(lambda _t: self._show_rotation_note())
         self.kv_budget = QSpinBox()
         self.kv_budget.setRange(1, 1024 * 1024)
         self.kv_budget.setSuffix(" MiB")
@@ -50,6 +63,8 @@ class ControlsPanel(QWidget):
         form = QFormLayout()
         form.addRow("block size (tokens)", self.block_size)
         form.addRow("KV dtype", self.kv_dtype)
+        form.addRow("KV rotation", self.kv_rotation)
+        form.addRow("", self.rotation_note)
         form.addRow("KV memory budget", self.kv_budget)
         form.addRow("", self.budget_note)
         form.addRow("max sequences", self.max_seqs)
@@ -78,10 +93,11 @@ class ControlsPanel(QWidget):
         layout.addWidget(self.progress)
         layout.addWidget(self.result)
         layout.addStretch(1)
+        self._show_rotation_note()
         self.set_enabled(False)
 
     def set_enabled(self, enabled: bool) -> None:
-        for w in (self.block_size, self.kv_dtype, self.kv_budget, self.max_seqs,
+        for w in (self.block_size, self.kv_dtype, self.kv_rotation, self.kv_budget, self.max_seqs,
                   self.max_batched, self.prefix_caching, self.apply_button,
                   self.revert_button):
             w.setEnabled(enabled and not self.busy)
@@ -89,6 +105,7 @@ class ControlsPanel(QWidget):
     def values(self) -> dict:
         return {"block_size": int(self.block_size.currentText()),
                 "kv_dtype": self.kv_dtype.currentText(),
+                "kv_rotation": self.kv_rotation.currentText(),
                 "kv_cache_bytes": self.kv_budget.value() * MIB,
                 "max_num_seqs": self.max_seqs.value(),
                 "max_num_batched_tokens": self.max_batched.value(),
@@ -99,6 +116,8 @@ class ControlsPanel(QWidget):
         out = {}
         for key, value in self.values().items():
             current = self.config.get(key)
+            if key == "kv_rotation" and current is None:
+                continue  # an engine without the option: nothing to change there
             if key == "kv_cache_bytes" and current is not None and \
                     round(current / MIB) == value // MIB:
                 continue
@@ -125,6 +144,7 @@ class ControlsPanel(QWidget):
         self.config = dict(config)
         self.block_size.setCurrentText(str(config.get("block_size", 16)))
         self.kv_dtype.setCurrentText(str(config.get("kv_dtype", "auto")))
+        self.kv_rotation.setCurrentText(str(config.get("kv_rotation", "auto")))
         self.kv_budget.setValue(max(1, round(config.get("kv_cache_bytes", 256 * MIB) / MIB)))
         self.max_seqs.setValue(int(config.get("max_num_seqs", 64)))
         self.max_batched.setValue(int(config.get("max_num_batched_tokens", 512)))
@@ -133,6 +153,21 @@ class ControlsPanel(QWidget):
         self.budget_note.setText(f"the pool is fixed at {fixed} blocks (--num-kv-blocks): "
                                  "the budget is ignored" if fixed else "")
         self.set_enabled(True)
+
+    def _show_rotation_note(self) -> None:
+        """What the chosen rotation means for the chosen dtype (auto resolves as the engine
+        does: rotated exactly when the KV is one byte)."""
+        dtype, rotation = self.kv_dtype.currentText(), self.kv_rotation.currentText()
+        rotated = rotation == "hadamard" or (rotation == "auto" and dtype in ONE_BYTE)
+        if rotated and dtype in ONE_BYTE:
+            text = f"{dtype} KV stored Hadamard-rotated: outliers spread before quantizing"
+        elif rotated:
+            text = "rotated (exact at this precision; nothing to gain)"
+        elif dtype in ONE_BYTE:
+            text = f"{dtype} KV unrotated: outlier channels cost accuracy (for comparison)"
+        else:
+            text = "unrotated"
+        self.rotation_note.setText(text)
 
     def show_applied(self, config: dict) -> None:
         self.busy = False
