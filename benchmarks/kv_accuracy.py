@@ -90,17 +90,13 @@ def run(args) -> dict:
     from engine import EngineConfig
     from engine.llm import LLM
     from engine.loader import load_model
-    from engine.scoring import token_log_probs
 
     loaded = load_model(args.model, torch.float32)
     llm = LLM(EngineConfig(model=args.model, block_size=args.block_size), loaded=loaded)
     prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in PROMPTS]
     text_ids = loaded.tokenizer.encode(TEXT.read_text())[:args.text_tokens]
     engine = llm.engine
-    ref_tokens = _greedy(engine, prompts, args.max_tokens)
-    reference = {"tokens": ref_tokens,
-                 "log_probs": [token_log_probs(engine, p + r)[len(p) - 1:]
-                               for p, r in zip(prompts, ref_tokens)]}
+    reference = reference_of(engine, prompts, args.max_tokens)
     results = {}
     for dtype, rotation in rows(args.dtypes, args.rotations):
         name = row_name(dtype, rotation)
@@ -110,6 +106,15 @@ def run(args) -> dict:
         result.pop("greedy")
         results[name] = {"kv_dtype": dtype, "kv_rotation": rotation, **result}
     return results
+
+
+def reference_of(engine, prompts, max_tokens) -> dict:
+    """Greedy continuations and their log-probs on the engine as it is (float32 KV)."""
+    from engine.scoring import token_log_probs
+
+    tokens = _greedy(engine, prompts, max_tokens)
+    return {"tokens": tokens, "log_probs": [token_log_probs(engine, p + r)[len(p) - 1:]
+                                            for p, r in zip(prompts, tokens)]}
 
 
 def rows(dtypes: list[str], rotations: list[str]) -> list[tuple[str, str]]:

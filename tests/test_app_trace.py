@@ -220,3 +220,12 @@ def test_window_records_a_real_session_and_replays_it(qtbot, model, tmp_path):
         assert replay.plot.points("replay") > 0 and replay.table.rowCount() > 5
     finally:
         window.shutdown()
+
+
+def test_replay_args_carry_the_kv_rotation():
+    values = {"block_size": 8, "kv_dtype": "int8", "kv_rotation": "none",
+              "kv_cache_bytes": 4 << 20, "max_num_seqs": 4, "max_num_batched_tokens": 256,
+              "enable_prefix_caching": True}
+    args = engine_args_from(values, {"model": "m"})
+    assert args[args.index("--kv-rotation") + 1] == "none"
+    assert "--kv-rotation" not in engine_args_from({**values, "kv_rotation": ""}, {})

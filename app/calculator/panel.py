@@ -20,7 +20,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.calculator import kv_math
+from app.calculator import accuracy, kv_math
 from app.calculator.what_fits import WhatFitsBox
 from app.fmt import human_bytes
 
@@ -48,6 +48,9 @@ class KVCalculatorPanel(QWidget):
         self.per_token = QLabel()
         self.per_token.setObjectName("kvPerToken")
         self.per_token.setWordWrap(True)  # the side dock is narrow
+        self.accuracy = QLabel()
+        self.accuracy.setObjectName("note")
+        self.accuracy.setWordWrap(True)
         self.engine_note = QLabel()
         self.engine_note.setObjectName("note")
         self.engine_note.setWordWrap(True)
@@ -60,6 +63,7 @@ class KVCalculatorPanel(QWidget):
         form.addRow("KV dtype", self.dtype)
         form.addRow("context length", self.context)
         form.addRow(self.per_token)
+        form.addRow(self.accuracy)
         form.addRow(self.engine_note)
 
         self.requests = _spin(1, 100_000, 64)
@@ -168,6 +172,7 @@ class KVCalculatorPanel(QWidget):
         ctx = self.context.value()
         self.per_token.setText(f"<b>{human_bytes(per)}</b> per token ({per:,} B) · "
                                f"<b>{human_bytes(per * ctx)}</b> for {ctx:,} tokens")
+        self.accuracy.setText(accuracy.hint(dtype))
         if self.engine_bytes_per_token:
             self.engine_note.setText(f"the running engine reports "
                                      f"{self.engine_bytes_per_token:,} B per token "

@@ -21,7 +21,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.calculator import kv_math
+from app.calculator import accuracy, kv_math
 from app.fmt import human_bytes
 
 THIS_DEVICE = "this device"
@@ -259,7 +259,8 @@ def _fits_table() -> QTableWidget:
     t.horizontalHeader().setHighlightSections(False)
     t.verticalHeader().setHighlightSections(False)
     for r, (_label, dtypes) in enumerate(FIT_ROWS):
-        t.verticalHeaderItem(r).setToolTip(" and ".join(dtypes))
+        hints = "\n".join(h for h in map(accuracy.hint, dtypes) if h)
+        t.verticalHeaderItem(r).setToolTip(hints or " and ".join(dtypes))
     t.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
     t.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
     t.setSizeAdjustPolicy(QAbstractScrollArea.SizeAdjustPolicy.AdjustToContents)

@@ -21,6 +21,8 @@ def engine_args_from(values: dict, config: dict) -> list[str]:
              "--kv-cache-bytes", str(values["kv_cache_bytes"]),
              "--max-num-seqs", str(values["max_num_seqs"]),
              "--max-num-batched-tokens", str(values["max_num_batched_tokens"])]
+    if values.get("kv_rotation"):
+        args += ["--kv-rotation", values["kv_rotation"]]
     if config.get("num_kv_blocks"):
         args += ["--num-kv-blocks", str(config["num_kv_blocks"])]
     if not values["enable_prefix_caching"]:

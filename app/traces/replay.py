@@ -137,7 +137,8 @@ class TraceReplayPanel(QWidget):
         note = " (cut off at the end)" if series.truncated else ""
         self.trace_label.setText(
             f"{path}{note}\n{h.get('model')} · block {h.get('block_size')} · KV "
-            f"{h.get('kv_dtype')} · {len(series.t)} steps")
+            f"{h.get('kv_dtype')}{' + rotated' if h.get('kv_rotation') == 'hadamard' else ''}"
+            f" · {len(series.t)} steps")
         self.replay_button.setEnabled(not self.busy)
         self.status.setText("")
         return True

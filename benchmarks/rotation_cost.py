@@ -1,0 +1,116 @@
+"""What the K/V rotation costs a decode step: two engines on the same weights and the same
+int8 pool size, one rotated (Hadamard) and one not, stepped alternately through the same
+decode batch so both see the same machine load; plus the rotation's own ops timed alone
+(q, k, v rotated and the output rotated back, every layer) against the step.
+
+    python -m benchmarks.rotation_cost [--batch 8] [--prompt 256] [--steps 40] [--json]
+
+On CUDA the rotation is fused into the Triton KV write and attention kernels (no separate
+op), so there the step difference is the figure; on CPU the torch path runs it as four small
+matmuls a layer.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+
+def decode_engines(args):
+    import torch
+
+    from engine import EngineConfig, SamplingParams
+    from engine.llm_engine import LLMEngine
+    from engine.loader import load_model
+
+    loaded = load_model(args.model, torch.float32 if args.device == "cpu" else torch.bfloat16)
+    engines = {}
+    for rotation in ("none", "hadamard"):
+        cfg = EngineConfig(model=args.model, device=args.device, kv_dtype=args.kv_dtype,
+                           kv_rotation=rotation, num_kv_blocks=args.batch * 64 + 64,
+                           max_num_batched_tokens=max(512, args.prompt))
+        engine = LLMEngine(cfg, loaded)
+        for i in range(args.batch):
+            prompt = [100 + (7 * i + j) % 5000 for j in range(args.prompt)]
+            engine.add_request(prompt, SamplingParams(max_tokens=args.steps * 3 + 8,
+                                                      ignore_eos=True))
+        while any(s.num_computed_tokens < s.num_prompt_tokens
+                  for s in engine.scheduler.running) or engine.scheduler.waiting:
+            engine.step()  # prefill until every request decodes
+        engines[rotation] = engine
+    return engines
+
+
+def timed_step(engine, sync) -> float:
+    start = time.perf_counter()
+    engine.step()
+    sync()
+    return time.perf_counter() - start
+
+
+def rotation_ops_s(engine, sync, reps: int) -> float:
+    """The torch path's rotation work of one decode step, alone: per layer q, k, v @ R and
+    the output @ R^T, for this batch's shapes."""
+    import torch
+
+    from kernels.rotation import rotate, unrotate
+
+    s, r = engine.model.shape, engine.pool.rotation
+    b = len(engine.scheduler.running)
+    dt = engine.model.dtype
+    q = torch.randn(b, s.num_heads, s.head_dim, dtype=dt, device=r.device)
+    kv = torch.randn(b, s.num_kv_heads, s.head_dim, dtype=dt, device=r.device)
+
+    def one_step():
+        for _ in range(s.num_layers):
+            rotate(q, r).to(dt), rotate(kv, r), rotate(kv, r), unrotate(q, r).to(dt)
+
+    one_step()
+    sync()
+    start = time.perf_counter()
+    for _ in range(reps):
+        one_step()
+    sync()
+    return (time.perf_counter() - start) / reps
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="rotation_cost", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="default")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--kv-dtype", default="int8", choices=["int8", "fp8"])
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    import torch
+
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    engines = decode_engines(args)
+    times = {name: [] for name in engines}
+    for _ in range(args.steps):
+        for name, engine in engines.items():  # alternate: both see the same load
+            times[name].append(timed_step(engine, sync))
+    step = {name: statistics.median(t) for name, t in times.items()}
+    ops = rotation_ops_s(engines["hadamard"], sync, 20) if args.device == "cpu" else None
+    row = {
+        "device": args.device, "kv_dtype": args.kv_dtype, "batch": args.batch,
+        "context": args.prompt, "steps": args.steps,
+        "step_ms_none": step["none"] * 1e3, "step_ms_hadamard": step["hadamard"] * 1e3,
+        "step_difference_share": (step["hadamard"] - step["none"]) / step["hadamard"],
+        "rotation_ops_ms": None if ops is None else ops * 1e3,
+        "rotation_ops_share": None if ops is None else ops / step["hadamard"],
+        "kv_bytes_per_token": {n: e.stats()["kv_bytes_per_token"] for n, e in engines.items()},
+    }
+    if args.json:
+        print(json.dumps(row))
+    else:
+        for k, v in row.items():
+            print(f"{k:>24}: {v:.4g}" if isinstance(v, float) else f"{k:>24}: {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
