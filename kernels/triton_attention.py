@@ -1,5 +1,9 @@
 """Triton paged attention for a varlen batch of decode rows and prefill chunks.
 
+With a rotation R (pool holding K @ R, V @ R; kernels/rotation.py) a program multiplies its
+query tile by R after loading it and its accumulator by R^T before storing it: two small
+float32 dots per program, no pass over the cache and no extra kernel.
+
 Same contract as `kernels.attention_ref.paged_attention_ref` (the CPU path and the oracle):
 sequence i's queries are rows query_start_loc[i]:query_start_loc[i+1], the last q_len of
 its context_lens[i] tokens, whose K/V are already in the pool; each attends causally.

@@ -21,6 +21,11 @@ benchmarks/gpu_check.py):
   arithmetic too (the interpreter truncates; on the GPU the result is the same as `.to`).
 So int8 and fp8 codes, bfloat16 rows and the scales are expected to equal the reference exactly; the tests
 require that.
+
+With a rotation R (kernels/rotation.py) the program multiplies its [kv_heads, head_dim] K and V
+tiles by R in registers (a float32 `tl.dot`, the kv-head rows padded to 16) before the scale
+is taken: no extra pass over anything, and the pool holds x @ R. Its summation order is not
+torch's, so rotated codes may sit one step from the torch path's (tests/test_triton_rotation.py).
 """
 from __future__ import annotations
 
