@@ -28,7 +28,8 @@ def replay(capsys, model, recorded, out, *options):
                              "--json", "-o", str(out)])
 
 
-@pytest.mark.parametrize("options,rotation", [([], "hadamard"), (["--kv-rotation", "none"], "none")])
+@pytest.mark.parametrize("options,rotation", [([], "hadamard"),
+                                              (["--kv-rotation", "none"], "none")])
 def test_int8_replay_records_the_rotation(model, recorded, tmp_path, capsys, options, rotation):
     out = tmp_path / "r.jsonl"
     s = replay(capsys, model, recorded, out, "--kv-dtype", "int8", *options)

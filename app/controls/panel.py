@@ -1,6 +1,6 @@
-"""Engine knobs: block size, KV dtype and its rotation, KV budget, max sequences, max batched tokens, prefix
-caching. Apply emits the changed values; the panel then shows what the engine applied (or the
-refusal and its reason), busy while the pool is rebuilt."""
+"""Engine knobs: block size, KV dtype and its rotation, KV budget, max sequences, max batched
+tokens, prefix caching. Apply emits the changed values; the panel then shows what the engine
+applied (or the refusal and its reason), busy while the pool is rebuilt."""
 from __future__ import annotations
 
 from PySide6.QtCore import Signal
@@ -22,8 +22,8 @@ KV_DTYPES = ["auto", "float32", "float16", "bfloat16", "int8", "fp8"]
 KV_ROTATIONS = ["auto", "hadamard", "none"]
 ONE_BYTE = ("int8", "fp8")
 MIB = 1024 * 1024
-KEYS = ("block_size", "kv_dtype", "kv_rotation", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens",
-        "enable_prefix_caching")
+KEYS = ("block_size", "kv_dtype", "kv_rotation", "kv_cache_bytes", "max_num_seqs",
+        "max_num_batched_tokens", "enable_prefix_caching")
 
 
 class ControlsPanel(QWidget):
