@@ -28,7 +28,6 @@ from engine.sampler import make_generator, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence
-from kernels.quant import is_quantized
 from kernels.rotation import matrix_name
 
 
@@ -73,7 +72,7 @@ class LLMEngine:
     def _build_pool(self) -> None:
         cfg, shape = self.config, self.model.shape
         self.kv_dtype = self._kv_torch_dtype(cfg)
-        self.kv_rotation = resolve_kv_rotation(cfg.kv_rotation, is_quantized(self.kv_dtype))
+        self.kv_rotation = resolve_kv_rotation(cfg.kv_rotation, kv_dtype_name(self.kv_dtype))
         self.pool = None  # let the old pool go before the new one is allocated
         per_token = kv_bytes_per_token(shape, self.kv_dtype)
         num_blocks = cfg.num_kv_blocks or num_blocks_for_budget(

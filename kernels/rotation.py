@@ -1,4 +1,4 @@
-"""The orthogonal rotation of q, k and v that makes 1-byte KV keep the answers (QuaRot-style).
+"""The orthogonal rotation of q, k and v that makes int8 KV keep more of the answers (QuaRot).
 
 A few channels of K (and some of V) carry most of the magnitude; a per-token scale set by
 them leaves the other channels only a few quantization levels. Multiplying every head's q, k

@@ -71,6 +71,8 @@ def test_kv_rotation_is_a_knob_next_to_the_dtype(qtbot):
     panel.kv_dtype.setCurrentText("bfloat16")
     panel.kv_rotation.setCurrentText("auto")
     assert panel.rotation_note.text() == "unrotated"  # auto leaves 2-byte KV alone
+    panel.kv_dtype.setCurrentText("fp8")
+    assert "unrotated (the default for fp8)" in panel.rotation_note.text()
 
 
 def test_an_engine_without_the_rotation_option_is_not_sent_one(qtbot):

@@ -167,3 +167,20 @@ def test_void_qt_calls_keep_none_refcount():
     for _ in range(20_000):
         w.setEnabled(True)
     assert sys.getrefcount(None) >= before - 100
+
+
+def test_kv_calculator_hints_come_from_the_measured_table(qtbot):
+    from app.calculator import accuracy
+
+    panel = KVCalculatorPanel()
+    qtbot.addWidget(panel)
+    for dtype in ("int8", "fp8", "bfloat16"):
+        panel.dtype.setCurrentText(dtype)
+        plain = accuracy.MEASURED[(dtype, "none")]
+        assert f"{plain.prefix:.0%}" in panel.accuracy.text(), dtype
+        rotated = accuracy.MEASURED.get((dtype, "hadamard"))
+        if rotated:
+            assert f"{rotated.prefix:.0%} of a greedy reply" in panel.accuracy.text()
+            assert f"KL {rotated.kl:.2g}" in panel.accuracy.text()
+    panel.dtype.setCurrentText("float32")
+    assert "reference" in panel.accuracy.text()

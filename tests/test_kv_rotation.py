@@ -136,10 +136,11 @@ def test_invalid_rotation_names_it():
 
 
 @pytest.mark.parametrize("kv_dtype,setting,expected", [
-    ("int8", "auto", "hadamard"), ("fp8", "auto", "hadamard"), ("float32", "auto", "none"),
+    ("int8", "auto", "hadamard"), ("fp8", "auto", "none"), ("float32", "auto", "none"),
+    ("fp8", "hadamard", "hadamard"),
     ("bfloat16", "auto", "none"), ("int8", "none", "none"), ("float32", "hadamard", "hadamard"),
 ])
-def test_auto_rotates_exactly_the_one_byte_pools(path, kv_dtype, setting, expected):
+def test_auto_rotates_exactly_the_int8_pools(path, kv_dtype, setting, expected):
     llm = LLM(EngineConfig(model=str(path), kv_dtype=kv_dtype, kv_rotation=setting,
                            num_kv_blocks=16))
     stats = llm.stats()
