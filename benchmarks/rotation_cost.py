@@ -83,9 +83,14 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (1 keeps a shared machine from oversubscribing)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     engines = decode_engines(args)
@@ -96,7 +101,8 @@ def main(argv=None) -> int:
     step = {name: statistics.median(t) for name, t in times.items()}
     ops = rotation_ops_s(engines["hadamard"], sync, 20) if args.device == "cpu" else None
     row = {
-        "device": args.device, "kv_dtype": args.kv_dtype, "batch": args.batch,
+        "device": args.device, "threads": torch.get_num_threads(), "kv_dtype": args.kv_dtype,
+        "batch": args.batch,
         "context": args.prompt, "steps": args.steps,
         "step_ms_none": step["none"] * 1e3, "step_ms_hadamard": step["hadamard"] * 1e3,
         "step_difference_share": (step["hadamard"] - step["none"]) / step["hadamard"],
