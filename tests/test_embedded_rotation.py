@@ -1,0 +1,38 @@
+"""On the embedded SmolLM2-135M-Instruct, rotated int8 KV is closer to float32 KV than plain.
+
+Teacher-forced: the float32-KV engine scores a text; int8 engines (rotated and not) score the
+same tokens; KL divergence from float32's next-token distributions must drop with the rotation
+(measured 3.8x on the kv-accuracy prompts; asserted: at least 2x here) and the rotated
+perplexity must sit closer to float32's.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, EngineConfig
+from engine.loader import load_model
+from engine.scoring import mean_kl, perplexity, token_log_probs
+
+pytestmark = pytest.mark.slow
+
+TEXT = Path(__file__).resolve().parent.parent / "resources" / "perplexity_text.txt"
+
+
+def test_rotation_cuts_int8_kl_on_the_embedded_model():
+    loaded = load_model("default", torch.float32)
+    ids = loaded.tokenizer.encode(TEXT.read_text())[:256]
+    scores = {}
+    for name, kv_dtype, rotation in (("float32", "float32", "none"),
+                                     ("int8", "int8", "none"),
+                                     ("int8+hadamard", "int8", "hadamard")):
+        llm = LLM(EngineConfig(kv_dtype=kv_dtype, kv_rotation=rotation, num_kv_blocks=32),
+                  loaded=loaded)
+        scores[name] = token_log_probs(llm.engine, ids)
+        assert llm.stats()["kv_rotation"] == rotation
+    kl = {n: mean_kl(scores["float32"], scores[n]) for n in ("int8", "int8+hadamard")}
+    assert kl["int8+hadamard"] < kl["int8"] / 2, kl
+    ppl = {n: perplexity(lp, ids) for n, lp in scores.items()}
+    assert abs(ppl["int8+hadamard"] - ppl["float32"]) < abs(ppl["int8"] - ppl["float32"]), ppl
