@@ -194,10 +194,13 @@ def check_write(kv_name, block_size, kv_heads, head_dim, n, device, seed) -> dic
 
 
 def check_attention(kv_name, q_name, block_size, heads, kv_heads, head_dim, seqs, device,
-                    seed, num_splits=None, block_n=None) -> dict:
+                    seed, num_splits=None, block_n=None, rotated: bool = False) -> dict:
+    """With `rotated`, the kernel's fused q / output rotation against torch's rotate ->
+    reference -> unrotate (kernels.rotation), same tolerance."""
     import torch
 
     from kernels.attention_ref import paged_attention_ref
+    from kernels.rotation import rotate, rotation_matrix, unrotate
     from kernels.triton_attention import paged_attention_triton
 
     q_dtype = torch_dtype(q_name)
@@ -205,15 +208,19 @@ def check_attention(kv_name, q_name, block_size, heads, kv_heads, head_dim, seqs
                                    head_dim, seqs, seed, device)
     scale = 1 / math.sqrt(head_dim)
     out = torch.full_like(query, float("nan"))
+    r = rotation_matrix("hadamard", head_dim, device) if rotated else None
     paged_attention_triton(query, pool[0], pool[1], meta, scale, pool[2], pool[3], out=out,
-                           num_splits=num_splits, block_n=block_n)
+                           num_splits=num_splits, block_n=block_n, rotation=r)
     clean = sanitized(pool)
-    want = paged_attention_ref(query, clean[0], clean[1], meta, scale, clean[2], clean[3])
+    q_ref = rotate(query, r).to(q_dtype)
+    want = unrotate(paged_attention_ref(q_ref, clean[0], clean[1], meta, scale, clean[2],
+                                        clean[3]), r).to(q_dtype)
     tol = TOL[q_name]
     diff = (out.float() - want.float()).abs()
     nan = int(torch.isnan(out).sum())
     ratio = float((diff / (tol + tol * want.float().abs())).nan_to_num(float("inf")).max())
-    return {"kernel": "paged_attention", "kv_dtype": kv_name, "q_dtype": q_name,
+    return {"kernel": "paged_attention" + (" rotated" if rotated else ""),
+            "kv_dtype": kv_name, "q_dtype": q_name,
             "block_size": block_size, "heads": f"{heads}/{kv_heads}x{head_dim}",
             "q_lens": [q for q, _ in seqs], "ctx_lens": [c for _, c in seqs],
             "num_splits": num_splits or "auto", "max_abs_err": float(diff.max()),
@@ -249,7 +256,8 @@ def correctness(device, small: bool, seed: int) -> list[dict]:
                         (1, rng.randint(1, 300)), (1, rng.randint(3000, 9000))]
                 splits, block_n = (None if (i + bs) % 2 else 1), None
             rows.append(check_attention(kv, qd, bs, heads, kvh, hd, seqs, device,
-                                        seed + 13 * i + bs, splits, block_n))
+                                        seed + 13 * i + bs, splits, block_n,
+                                        rotated=kv == "int8" and bs == 16))
     return rows
 
 
@@ -335,6 +343,14 @@ def time_decode(name, heads, kv_heads, head_dim, kv_name, batch, ctx, block_size
     scale = 1 / math.sqrt(head_dim)
     ms = bench_ms(lambda: paged_attention_triton(q, pool[0], pool[1], meta, scale, pool[2],
                                                  pool[3], out=out), device)
+    ms_rotated = None
+    if kv_name == "int8":  # the fused q / output rotation (kernels/rotation.py), same pool
+        from kernels.rotation import rotation_matrix
+
+        r = rotation_matrix("hadamard", head_dim, device)
+        ms_rotated = bench_ms(lambda: paged_attention_triton(q, pool[0], pool[1], meta, scale,
+                                                             pool[2], pool[3], out=out,
+                                                             rotation=r), device)
     elem = pool[0].element_size()
     kv_bytes = batch * ctx * kv_heads * head_dim * elem * 2
     scale_bytes = batch * ctx * kv_heads * 4 * 2 if is_quantized(kv_dtype) else 0
@@ -344,7 +360,7 @@ def time_decode(name, heads, kv_heads, head_dim, kv_name, batch, ctx, block_size
            "block_size": block_size, "num_splits": _choose_splits(q.device, batch * kv_heads,
                                                                   ctx),
            "ms": ms, "bytes_read": total, "gb_per_s": bw / 1e9, "share_of_copy_bw": bw / copy_bw,
-           "ref_ms": None}
+           "ref_ms": None, "ms_rotated": ms_rotated}
     if with_ref:
         try:
             row["ref_ms"] = bench_ms(lambda: paged_attention_ref(q, pool[0], pool[1], meta,
@@ -469,7 +485,8 @@ def format_report(r: dict) -> str:
         ref = f"{ref:8.2f}" if isinstance(ref, float) else f"{ref or '-':>8}"
         lines.append(f"  {d['config']:<26} {d['kv_dtype']:>8} {d['num_splits']:>6} "
                      f"{d['ms']:8.3f} {d['bytes_read'] / 1e9:8.2f} {d['gb_per_s']:7.0f} "
-                     f"{d['share_of_copy_bw'] * 100:7.0f}% {ref}")
+                     f"{d['share_of_copy_bw'] * 100:7.0f}% {ref}"
+                     + (f"  rotated {d['ms_rotated']:.3f} ms" if d.get("ms_rotated") else ""))
     e = r.get("e2e")
     if e:
         lines += ["", (f"end to end: {e['requests']} requests, prompts {e['prompt_range']}, "

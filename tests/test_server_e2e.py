@@ -253,3 +253,18 @@ def test_remote_bind_needs_allow_remote(capsys):
     assert eps == ("tcp://0.0.0.0:6000", "tcp://0.0.0.0:6001")
     serve_cli.check_remote(eps, allow_remote=True)
     assert "without authentication" in capsys.readouterr().err
+
+
+def test_reconfigure_kv_rotation_over_the_wire(client):
+    """The window's path: the rotation changes live, every stream finishes, stats show it."""
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    outs, applied = _run_with_reconfigure(
+        client, prompts([9, 25], seed=6), params,
+        [{"kv_dtype": "int8", "kv_rotation": "none"}, {"kv_rotation": "hadamard"}])
+    try:
+        assert [a["kv_rotation"] for a in applied] == ["none", "hadamard"]
+        assert all(sum(len(d.token_ids) for d in o) == 30 for o in outs)
+        stats = client.snapshot().stats
+        assert (stats.engine["kv_rotation"], stats.config["kv_rotation"]) == ("hadamard",) * 2
+    finally:
+        client.reconfigure(kv_dtype="auto", kv_rotation="auto")
