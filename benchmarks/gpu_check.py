@@ -468,7 +468,8 @@ def format_report(r: dict) -> str:
                          f"block {c['block_size']:>3}: {c['mismatched_elements']} mismatched "
                          f"elements, {c['wrongly_touched_slots']} wrong slots (exact)")
         else:
-            lines.append(f"  {status} attention  {c['kv_dtype']:>8} q {c['q_dtype']:<8} "
+            name = "attn+rot " if c["kernel"].endswith("rotated") else "attention"
+            lines.append(f"  {status} {name}  {c['kv_dtype']:>8} q {c['q_dtype']:<8} "
                          f"block {c['block_size']:>3} heads {c['heads']:<9} splits "
                          f"{c['num_splits']!s:>4}: max err {c['max_abs_err']:.2e} "
                          f"(tol {c['tolerance']:.0e}, {c['err_over_tol']:.2f} of it), "
