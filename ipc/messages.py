@@ -134,6 +134,7 @@ class HelloResult(msgspec.Struct):
     max_model_len: int
     max_message_bytes: int
     metrics_url: str | None = None  # Prometheus /metrics, when the engine serves it
+    http_url: str | None = None  # the OpenAI-compatible API's base URL (…/v1), when served
 
 
 class SubmitResult(msgspec.Struct):
@@ -249,6 +250,8 @@ class BlocksFrame(msgspec.Struct, kw_only=True):
     internal_waste_slots: int  # allocated slots not yet written
     reserved_max_len_blocks: int  # blocks if every live request reserved max_model_len
     reserved_request_blocks: int  # blocks if each reserved prompt + max_tokens
+    # Where each live request came from when not over ZeroMQ ("http"), by request id.
+    request_sources: dict[str, str] = {}
     # Dtype of each array; the engine narrows them, the default is the widest it sends.
     dtypes: dict[str, ArrayDtype] = msgspec.field(default_factory=lambda: dict(WIDE_DTYPES))
 

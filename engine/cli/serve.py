@@ -10,6 +10,7 @@ import contextlib
 import signal
 import sys
 
+from engine.cli.http_options import add_http_options, http_address, start_http
 from engine.cli.kv_events_options import (
     add_kv_events_options,
     kv_events_config,
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prompts", action="store_true",
                    help="with --trace: record prompt lengths, not the prompt token ids")
     add_kv_events_options(p)
+    add_http_options(p)
     add_engine_options(p)
     return p
 
@@ -95,6 +97,7 @@ def main(argv: list[str]) -> int:
             raise ValueError(f"--state-hz {args.state_hz} must be > 0")
         eps = resolve_endpoints(args)
         metrics_at = metrics_address(args)
+        http_at = http_address(args)
         check_remote([*eps, *([endpoints.tcp(*metrics_at)] if metrics_at else []),
                       *kv_events_endpoints(args)], args.allow_remote)
     except ValueError as exc:
@@ -107,13 +110,14 @@ def main(argv: list[str]) -> int:
     from engine.server.metrics import EngineMetrics
     from engine.traces.recorder import start_trace
 
-    metrics = metrics_url = kv_events = None
+    metrics = metrics_url = kv_events = http = None
     try:
         with contextlib.redirect_stdout(sys.stderr):  # stdout is for the ready line only
             engine = LLMEngine(engine_config_from_args(args))
-        if metrics_at:
+        if metrics_at or http_at:  # the HTTP API serves /metrics too, and counts requests
             metrics = EngineMetrics(engine.config.model, engine.max_model_len,
                                     engine.config.max_num_batched_tokens)
+        if metrics_at:
             metrics_url = metrics.serve(*metrics_at, prefix=args.metrics_prefix)
             print(f"kvscope serve: Prometheus metrics at {metrics_url}", file=sys.stderr,
                   flush=True)
@@ -123,6 +127,8 @@ def main(argv: list[str]) -> int:
         server = EngineServer(engine, *eps, max_message_bytes=args.max_message_bytes,
                               state_hz=args.state_hz, metrics=metrics, metrics_url=metrics_url,
                               kv_events=kv_events)
+        if http_at:
+            http = start_http(args, http_at, server, metrics)
     except (ValueError, OSError, zmq.ZMQError) as exc:
         print(f"kvscope serve: error: {exc}", file=sys.stderr)
         if metrics is not None:
@@ -130,12 +136,20 @@ def main(argv: list[str]) -> int:
         if kv_events is not None:
             kv_events.close()
         return 2
+
+    def stop(*_) -> None:
+        if http is not None:
+            http.refuse_new()  # 503 from now on, while the engine winds down
+        server.request_stop()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: server.request_stop())
+        signal.signal(sig, stop)
     command, state = server.start()
     print(f"ready {command} {state}", flush=True)
     while not server.wait(0.25):  # short waits so the signal handlers get to run
         pass
+    if http is not None:
+        http.close()
     server.close()
     if metrics is not None:
         metrics.close()

@@ -70,6 +70,7 @@ class EngineServer:
         self.engine = engine
         self.kv_events = kv_events  # a kv_events.CacheEventFeed, flushed after each step
         self.prometheus, self.metrics_url = metrics, metrics_url
+        self.http_url: str | None = None  # the OpenAI API's base URL, once it is served
         self.feed = MetricsFeed(engine, metrics)
         self.max_message_bytes = max_message_bytes
         self.state_interval = 1.0 / state_hz
@@ -291,7 +292,7 @@ class EngineServer:
         e = self.engine
         return m.HelloResult(m.PROTOCOL_VERSION, engine_pkg.__version__, e.config.model,
                              os.getpid(), e.config.to_dict(), e.max_model_len,
-                             self.max_message_bytes, self.metrics_url)
+                             self.max_message_bytes, self.metrics_url, self.http_url)
 
     def _cmd_submit(self, who, cmd: m.Submit) -> m.SubmitResult:
         if len(self.owners) >= self.max_pending_requests:
@@ -345,7 +346,8 @@ class EngineServer:
     def _cmd_snapshot(self, who, cmd: m.Snapshot) -> m.SnapshotResult:
         return m.SnapshotResult(self.steplog.frame(self.engine, self.topic_seq["step"],
                                                     consume=False),
-                                snapshots.blocks_frame(self.engine, self.topic_seq["blocks"]),
+                                snapshots.blocks_frame(self.engine, self.topic_seq["blocks"],
+                                                       self.sources()),
                                 self._stats(self.topic_seq["stats"]))
 
     def _cmd_shutdown(self, who, cmd: m.Shutdown) -> m.ShutdownResult:
@@ -407,7 +409,7 @@ class EngineServer:
         if topic == "step":
             return self.steplog.frame(self.engine, seq)
         if topic == "blocks":
-            return snapshots.blocks_frame(self.engine, seq)
+            return snapshots.blocks_frame(self.engine, seq, self.sources())
         if topic == "device":
             return msgspec.structs.replace(self.feed.device(), seq=seq)
         return self._stats(seq)
@@ -419,5 +421,13 @@ class EngineServer:
             server.update(self.kv_events.counters())
         return self.metrics.frame(self.engine, seq, server)
 
-    def _send(self, who: bytes, reply) -> None:
+    def _send(self, who, reply) -> None:
+        if not isinstance(who, bytes):  # an in-process client (the HTTP API): no socket
+            who.deliver(reply)
+            return
         self.out.send_multipart([b"R", who, codec.encode(reply)], copy=False)
+
+    def sources(self) -> dict[str, str]:
+        """Live requests that did not come over ZeroMQ, by their source ("http")."""
+        return {rid: who.source for rid, who in self.owners.items()
+                if not isinstance(who, bytes)}

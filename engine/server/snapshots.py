@@ -70,7 +70,8 @@ class StepLog:
             history=history, history_dropped_total=self.history_dropped)
 
 
-def blocks_frame(engine, seq: int) -> m.BlocksFrame:
+def blocks_frame(engine, seq: int, sources: dict[str, str] | None = None) -> m.BlocksFrame:
+    """sources: request id -> where it came from, for requests not sent over ZeroMQ."""
     bm, sched = engine.block_manager, engine.scheduler
     n, bs = bm.num_blocks, bm.block_size
     live = list(sched.running) + list(sched.waiting)
@@ -92,6 +93,7 @@ def blocks_frame(engine, seq: int) -> m.BlocksFrame:
         request_running=[True] * running + [False] * (len(live) - running),
         num_tokens=[s.num_tokens for s in live],
         num_computed_tokens=[s.num_computed_tokens for s in live],
+        request_sources=dict(sources or {}),
         **_totals(engine, flags, filled))
 
 
