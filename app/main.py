@@ -17,6 +17,7 @@ ENGINE_OPTIONS = {  # option -> takes a value (passed through to the engine chil
     "--kv-dtype": True, "--kv-cache-bytes": True, "--num-kv-blocks": True,
     "--max-num-seqs": True, "--max-num-batched-tokens": True, "--max-model-len": True,
     "--no-prefix-caching": False, "--seed": True, "--state-hz": True, "--metrics-port": True,
+    "--http-port": True,
 }
 STYLE = Path(__file__).resolve().parent.parent / "resources" / "style.qss"
 
@@ -54,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--state-hz", type=float)
     g.add_argument("--metrics-port", type=int, metavar="P",
                    help="the engine serves Prometheus metrics on 127.0.0.1:P/metrics")
+    g.add_argument("--http-port", type=int, metavar="P",
+                   help="the engine serves the OpenAI API on 127.0.0.1:P/v1 (0: a free port; "
+                        "remembered for later starts; -1 turns it off again)")
     return p
 
 

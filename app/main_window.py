@@ -62,7 +62,8 @@ class MainWindow(QMainWindow):
         self.hello = None
         self.closed = False
         self.bridge = EngineBridge(self, heartbeat_timeout=heartbeat_timeout)
-        self.engine = None if attach else EngineProcess(engine_args, self)
+        self.engine = None if attach else EngineProcess(
+            app_settings.with_http_port(engine_args or [], self.settings), self)
 
         self.chat = ChatPanel()
         self.block_map = BlockMap()

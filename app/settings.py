@@ -12,6 +12,29 @@ def default_settings() -> QSettings:
     return QSettings(ORGANIZATION, APPLICATION)
 
 
+HTTP_PORT = "engine/http_port"
+
+
+def with_http_port(engine_args: list[str], s: QSettings) -> list[str]:
+    """The local engine's options with its OpenAI API port: one given on the command line is
+    remembered (a negative one forgets it), otherwise the remembered one applies."""
+    args = list(engine_args)
+    if "--http-port" in args:
+        i = args.index("--http-port")
+        port = int(args[i + 1])
+        if port < 0:
+            s.remove(HTTP_PORT)
+            del args[i:i + 2]
+        else:
+            s.setValue(HTTP_PORT, port)
+        return args
+    saved = s.value(HTTP_PORT)
+    try:
+        return args + ["--http-port", str(int(saved))] if saved is not None else args
+    except (TypeError, ValueError):
+        return args  # a corrupt value: no API
+
+
 def _widgets(window) -> dict[str, object]:
     lg, kv = window.load_panel, window.kv_calculator
     return {

@@ -68,9 +68,13 @@ class EngineStatusBar(QStatusBar):
 
     def show_hello(self, hello) -> None:
         url = getattr(hello, "metrics_url", None)
-        self.metrics_label.setText(f"metrics: {url}" if url else "")
-        self.metrics_label.setToolTip("Prometheus scrapes this URL" if url else "")
-        self.metrics_label.setVisible(bool(url))
+        api = getattr(hello, "http_url", None)
+        parts = [f"metrics: {url}"] * bool(url) + [f"OpenAI API: {api}"] * bool(api)
+        self.metrics_label.setText(" · ".join(parts))
+        self.metrics_label.setToolTip("Prometheus scrapes the metrics URL; any OpenAI client "
+                                      "(Open WebUI, editors, scripts) can use the API URL"
+                                      if parts else "")
+        self.metrics_label.setVisible(bool(parts))
 
     def show_heartbeat(self, hb) -> None:
         self.last_heartbeat = self.clock()

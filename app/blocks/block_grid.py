@@ -100,6 +100,12 @@ def request_table(frame, request_id: str) -> list[int]:
         return []
 
 
+def source_note(frame, rid: str) -> str:
+    """" via HTTP" for a request the engine's OpenAI API took, "" for the window's own."""
+    source = getattr(frame, "request_sources", {}).get(rid)
+    return f" via {source.upper()}" if source else ""
+
+
 def describe_block(frame, block: int) -> str:
     """Hover text: block id, state, owner, tokens filled, ref count."""
     flags = int(frame.array("flags")[block])
@@ -113,7 +119,7 @@ def describe_block(frame, block: int) -> str:
         table = request_table(frame, rid)
         logical = table.index(block) if block in table else None
         where = f" (logical block {logical})" if logical is not None else ""
-        parts.append(f"owner {rid}{where}")
+        parts.append(f"owner {rid}{where}{source_note(frame, rid)}")
     elif state == BLOCK_USED:
         parts.append("owner: none")
     parts.append(f"{filled}/{frame.block_size} tokens filled")

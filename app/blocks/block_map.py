@@ -34,6 +34,7 @@ from app.blocks.block_grid import (
     grid_image,
     grid_shape,
     request_table,
+    source_note,
 )
 from app.blocks.block_table import BlockTableModel
 from app.blocks.pixel_image import PixelImage, rgb32_table
@@ -221,7 +222,8 @@ class BlockMap(QWidget):
         i = frame.request_ids.index(rid)
         table = request_table(frame, rid)
         filled = frame.array("filled")
-        status = "running" if frame.request_running[i] else "waiting"
+        status = ("running" if frame.request_running[i] else "waiting") + \
+            source_note(frame, rid)
         rgb = colors.hex_color(colors.request_rgb(rid))
         self.selection_label.setText(
             f"<span style='color:{rgb}'>■</span> <b>{rid}</b> ({status}): "
@@ -239,7 +241,9 @@ class BlockMap(QWidget):
         lines = [
             (f"<b>{frame.used}</b> used · <b>{frame.free}</b> free · <b>{frame.cached}</b> "
              f"cached of <b>{n}</b> blocks × {bs} tokens"),
-            f"{frame.tokens_stored:,} tokens stored in {len(frame.request_ids)} requests",
+            f"{frame.tokens_stored:,} tokens stored in {len(frame.request_ids)} requests"
+            + (f" ({n_http} via HTTP)" if (n_http := len(getattr(frame, "request_sources",
+                                                                   {}))) else ""),
         ]
         if per_block:
             lines.append(f"KV memory: {human_bytes(frame.used * per_block)} used of "
