@@ -192,6 +192,15 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+def _worth_sending(batch):
+    """(delta, OpenAI finish reason) of the deltas a client needs to see: those with text,
+    and the last one (an abort or error is reported separately)."""
+    for d in batch:
+        reason = d.finish_reason if d.finished and d.finish_reason in FINISHED else None
+        if d.text or reason:
+            yield d, reason
+
+
 def sse(obj) -> bytes:
     return b"data: " + msgspec.json.encode(obj) + b"\n\n"
 
@@ -232,10 +241,11 @@ class ChatReply:
 
     async def chunks(self, stream: EngineStream, include_usage: bool) -> AsyncIterator[bytes]:
         yield sse(self.chunk(oa.ChunkDelta(role="assistant", content="")))
-        async for d in stream.deltas():
-            reason = d.finish_reason if d.finished and d.finish_reason in FINISHED else None
-            if d.text or reason:
-                yield sse(self.chunk(oa.ChunkDelta(content=d.text or None), reason))
+        async for batch in stream.batches():  # one write for what piled up meanwhile
+            payload = b"".join(sse(self.chunk(oa.ChunkDelta(content=d.text or None), reason))
+                               for d, reason in _worth_sending(batch))
+            if payload:
+                yield payload
         if stream.finish_reason not in FINISHED:
             yield sse(ended_early(stream).body())
         elif include_usage:
@@ -257,11 +267,13 @@ class CompletionReply:
                              oa.usage(stream.num_prompt_tokens, stream.num_output_tokens))
 
     async def chunks(self, stream: EngineStream, include_usage: bool) -> AsyncIterator[bytes]:
-        async for d in stream.deltas():
-            reason = d.finish_reason if d.finished and d.finish_reason in FINISHED else None
-            if d.text or reason:
-                yield sse(oa.Completion(self.id, self.created, self.model,
-                                        [oa.CompletionChoice(0, d.text, reason)], None))
+        async for batch in stream.batches():
+            payload = b"".join(sse(oa.Completion(self.id, self.created, self.model,
+                                                 [oa.CompletionChoice(0, d.text, reason)],
+                                                 None))
+                               for d, reason in _worth_sending(batch))
+            if payload:
+                yield payload
         if stream.finish_reason not in FINISHED:
             yield sse(ended_early(stream).body())
         elif include_usage:

@@ -6,17 +6,24 @@ of a ZeroMQ routing id, and the engine server hands its replies and token deltas
 `HttpClient.deliver`, which moves them onto the event loop with `call_soon_threadsafe` (the
 engine thread never waits on the HTTP side). So HTTP requests share the scheduler, the state
 stream, the traces and /metrics with every other request, marked with the source "http".
+
+Cost matters here: with 32 streams a small model makes hundreds of deltas per step, so the
+engine thread wakes the loop once for all of them (`LoopPost`), a waiting request awaits a
+plain queue (no timer per message: a watchdog notices a vanished engine), and a stream takes
+whatever piled up at once (`EngineStream.batches`).
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 from collections.abc import AsyncIterator
 
 from ipc import codec
 from ipc import messages as m
 
-REPLY_POLL_S = 1.0  # how often a waiting request checks that the engine is still there
+WATCH_S = 1.0  # how often the watchdog checks that the engine thread is still there
+_GONE = object()  # put in an inbox when the engine thread ended without answering
 
 # Engine error codes -> HTTP status.
 STATUS = {m.BAD_REQUEST: 400, m.INVALID: 400, m.OVERLOADED: 429, m.SHUTTING_DOWN: 503}
@@ -36,21 +43,44 @@ class EngineRefused(Exception):
         return STATUS.get(self.code, 500)
 
 
+class LoopPost:
+    """Carries messages from the engine thread onto one event loop: one wake-up of the loop
+    (a write to its self-pipe) for everything posted before it got round to them."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.pending: list[tuple[asyncio.Queue, object]] = []
+
+    def post(self, inbox: asyncio.Queue, message) -> None:
+        with self.lock:
+            self.pending.append((inbox, message))
+            if len(self.pending) > 1:
+                return  # a flush is already on its way
+        try:
+            self.loop.call_soon_threadsafe(self._flush)
+        except RuntimeError:  # the loop is closed: the HTTP server stopped first
+            pass
+
+    def _flush(self) -> None:
+        with self.lock:
+            items, self.pending = self.pending, []
+        for inbox, message in items:
+            inbox.put_nowait(message)
+
+
 class HttpClient:
     """One HTTP request's mailbox: the `who` the engine server replies to."""
 
     source = "http"
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+    def __init__(self, post: LoopPost) -> None:
+        self.post = post
         self.inbox: asyncio.Queue = asyncio.Queue()
 
     def deliver(self, reply) -> None:
         """Called on the engine thread."""
-        try:
-            self.loop.call_soon_threadsafe(self.inbox.put_nowait, reply)
-        except RuntimeError:  # the loop is closed: the HTTP server stopped first
-            pass
+        self.post.post(self.inbox, reply)
 
 
 class EngineStream:
@@ -67,15 +97,31 @@ class EngineStream:
     def live(self) -> bool:
         return self.finish_reason is None
 
+    async def batches(self) -> AsyncIterator[list[m.Delta]]:
+        """The deltas that arrived since the last batch (at least one), until it ends."""
+        inbox = self.client.inbox
+        try:
+            while self.live:
+                replies = [await self.bridge.next_reply(self.client)]
+                while not inbox.empty():
+                    replies.append(inbox.get_nowait())
+                batch = [d for r in replies if isinstance(r, m.Deltas) for d in r.items]
+                if any(r is _GONE for r in replies):
+                    raise EngineUnavailable("the engine stopped")
+                for d in batch:
+                    self.num_output_tokens = d.num_output_tokens
+                    if d.finished:
+                        self.finish_reason = d.finish_reason or "stop"
+                if batch:
+                    yield batch
+        finally:
+            if self.live:
+                self.abort()
+            self.bridge.live.discard(self.client)
+
     async def deltas(self) -> AsyncIterator[m.Delta]:
-        while self.live:
-            reply = await self.bridge.next_reply(self.client)
-            if not isinstance(reply, m.Deltas):
-                continue  # e.g. the reply to our own abort
-            for d in reply.items:
-                self.num_output_tokens = d.num_output_tokens
-                if d.finished:
-                    self.finish_reason = d.finish_reason or "stop"
+        async for batch in self.batches():
+            for d in batch:
                 yield d
 
     def abort(self) -> None:
@@ -93,6 +139,9 @@ class EngineBridge:
         self.server = server
         self.closing = False
         self._ids = itertools.count(1)
+        self.live: set[HttpClient] = set()  # waiting on the engine: woken if it vanishes
+        self._post: LoopPost | None = None
+        self._watchdog: asyncio.Task | None = None
 
     def call_id(self) -> int:
         return next(self._ids)
@@ -110,10 +159,16 @@ class EngineBridge:
         EngineRefused with the engine's reason, or EngineUnavailable."""
         if self.unavailable:
             raise EngineUnavailable("the engine is shutting down")
-        client = HttpClient(asyncio.get_running_loop())
+        client = HttpClient(self._loop_post())
+        self.live.add(client)
         self.put(client, m.Submit(id=self.call_id(), **fields))
-        reply = await self.next_reply(client)
+        try:
+            reply = await self.next_reply(client)
+        except BaseException:
+            self.live.discard(client)
+            raise
         if isinstance(reply, m.Error):
+            self.live.discard(client)
             if reply.code == m.SHUTTING_DOWN:
                 raise EngineUnavailable(reply.message)
             raise EngineRefused(reply.code, reply.message)
@@ -123,9 +178,20 @@ class EngineBridge:
     async def next_reply(self, client: HttpClient):
         """The engine's next message for client; EngineUnavailable once the engine thread
         has ended without answering (it answers everything queued before it stops)."""
-        while True:
-            try:
-                return await asyncio.wait_for(client.inbox.get(), REPLY_POLL_S)
-            except asyncio.TimeoutError:
-                if self.server.done.is_set() and client.inbox.empty():
-                    raise EngineUnavailable("the engine stopped") from None
+        reply = await client.inbox.get()
+        if reply is _GONE:
+            raise EngineUnavailable("the engine stopped")
+        return reply
+
+    def _loop_post(self) -> LoopPost:
+        if self._post is None:  # the first request: we are on the HTTP server's loop now
+            self._post = LoopPost(asyncio.get_running_loop())
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+        return self._post
+
+    async def _watch(self) -> None:
+        while not self.server.done.is_set():
+            await asyncio.sleep(WATCH_S)
+        await asyncio.sleep(WATCH_S)  # its last replies are on the way through LoopPost
+        for client in list(self.live):
+            client.inbox.put_nowait(_GONE)
