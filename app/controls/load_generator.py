@@ -17,6 +17,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.controls.openai_load import OpenAILoadPanel
+
 WORDS = ["the", "cache", "keeps", "every", "layer", "key", "and", "value", "so", "each", "decode", "step", "only", "computes", "one", "new", "token", "while", "blocks", "of", "memory", "are", "handed", "out", "on", "demand", "and", "shared", "by", "prefix", "when", "two", "prompts", "begin", "alike", "scheduler", "batch", "prefill", "decode", "preempt", "recompute", "page", "table", "physical", "logical", "quantize", "scale", "budget", "throughput", "latency"]
 MAX_BACKLOG = 256
 
@@ -143,6 +145,8 @@ class LoadGeneratorPanel(QWidget):
         layout.addLayout(form)
         layout.addWidget(self.button)
         layout.addWidget(self.counts)
+        self.url_load = OpenAILoadPanel()  # the same knobs, aimed at an HTTP server
+        layout.addWidget(self.url_load)
         layout.addStretch(1)
         generator.countsChanged.connect(self.show_counts)
         self.show_counts()
@@ -153,6 +157,8 @@ class LoadGeneratorPanel(QWidget):
             self.seed.value()
         g.prompt_words = _ordered(self.prompt_min.value(), self.prompt_max.value())
         g.max_tokens = _ordered(self.tokens_min.value(), self.tokens_max.value())
+        self.url_load.load.prompt_words, self.url_load.load.max_tokens = \
+            g.prompt_words, g.max_tokens
 
     def _toggled(self, on: bool) -> None:
         if on:
