@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
+import traceback
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -290,6 +291,10 @@ def _guarded(handler):
             return await handler(request)
         except oa.ApiError as err:
             return error_response(err)
+        except Exception as exc:  # noqa: BLE001 - a bug answers this request, nothing else
+            traceback.print_exc()
+            return error_response(oa.ApiError(500, f"internal error: {type(exc).__name__}: "
+                                              f"{exc}", None, "internal", "server_error"))
     return endpoint
 
 
