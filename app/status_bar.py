@@ -91,8 +91,10 @@ class EngineStatusBar(QStatusBar):
             f"{e.get('device', '?')} · {model} · {e.get('dtype', '?')} · KV "
             f"{e.get('kv_dtype', '?')}{rotation_text(e)} · block {e.get('block_size', '?')} · "
             f"{human_bytes(e.get('kv_cache_bytes'))} KV · up {stats.uptime_s:.0f} s")
+        http = stats.server.get("http_in_flight")
         self.blocks_label.setText(f"blocks {e.get('num_free_blocks', 0)} free / "
-                                  f"{e.get('num_kv_blocks', 0)} total")
+                                  f"{e.get('num_kv_blocks', 0)} total"
+                                  + (f" · {http} via HTTP" if http else ""))
 
     def show_stream(self, counts, fps: float) -> None:
         """The state stream's counts (app.bridge.StreamCounts) and the window's frame rate."""

@@ -5,7 +5,7 @@ import os
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 import msgspec
-from app_fakes import blocks_frame
+from app_fakes import blocks_frame, stats_frame
 from PySide6.QtCore import QSettings
 
 from app import settings as app_settings
@@ -44,6 +44,17 @@ def test_status_bar_shows_the_api_url(qtbot):
                                  http_url="http://127.0.0.1:8000/v1"))
     assert bar.metrics_label.isVisible()
     assert bar.metrics_label.text() == "OpenAI API: http://127.0.0.1:8000/v1"
+    bar.stop_watching()
+
+
+def test_status_bar_counts_http_requests_in_flight(qtbot):
+    bar = EngineStatusBar()
+    qtbot.addWidget(bar)
+    frame = stats_frame()
+    bar.show_stats(msgspec.structs.replace(frame, server={**frame.server, "http_in_flight": 3}))
+    assert bar.blocks_label.text().endswith("· 3 via HTTP")
+    bar.show_stats(frame)
+    assert "HTTP" not in bar.blocks_label.text()
     bar.stop_watching()
 
 

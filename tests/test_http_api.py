@@ -300,7 +300,7 @@ def test_stream_hang_up_aborts_and_frees_blocks(client, url):
         rid = json.loads(first[6:])["id"]
         frame = _live(client)
         assert rid in frame.request_ids and frame.request_sources[rid] == "http"
-        assert frame.used > 0
+        assert frame.used > 0 and client.snapshot().stats.server["http_in_flight"] == 1
     # The connection is closed here, long before 150 tokens.
     frame = wait_for(lambda: _without(_live(client), rid))
     assert frame.used == 0 and frame.free + frame.cached == free_before
@@ -363,13 +363,17 @@ def test_remote_http_needs_a_key_or_allow_remote(tmp_path):
     assert r.returncode == 2 and "--api-key" in r.stderr and "0.0.0.0" in r.stderr
 
 
-def test_http_remote_rule():
+def test_http_remote_rule(capsys):
     from engine.cli.http_options import check_http_remote
 
     check_http_remote("127.0.0.1", None, False)
     check_http_remote("::1", None, False)
+    check_http_remote("localhost", None, False)
+    assert capsys.readouterr().err == ""
     for host in ("0.0.0.0", "192.0.2.1", "::"):
         with pytest.raises(ValueError, match="--api-key"):
             check_http_remote(host, None, False)
-        check_http_remote(host, "k", False)  # a key makes it allowed (with a warning)
-        check_http_remote(host, None, True)
+        check_http_remote(host, "k", False)  # a key makes it allowed
+        assert "plain HTTP" in capsys.readouterr().err
+        check_http_remote(host, None, True)  # so does --allow-remote, with a warning
+        assert "WARNING" in capsys.readouterr().err

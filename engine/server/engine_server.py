@@ -416,6 +416,7 @@ class EngineServer:
 
     def _stats(self, seq: int) -> m.StatsFrame:
         server = dict(self.counters, bad_frames=self.io.bad_frames,
+                      http_in_flight=len(self.sources()),
                       dropped_replies=self.io.dropped, publish_s=self.publish_s)
         if self.kv_events is not None:
             server.update(self.kv_events.counters())
