@@ -6,7 +6,9 @@ clients at once (closed loop: each client sends its next request when the last o
 once through `ipc.EngineClient` (ZeroMQ) and once through `POST /v1/completions` with
 `stream: true` (a keep-alive connection per client, SSE parsed by hand so the client's own
 cost stays small), alternating
---reps times. Reports generated tokens/s each way (medians) and their ratio, plus TTFT.
+--reps times. Reports generated tokens/s each way (medians) and their ratio, TTFT, and the
+server's CPU seconds each way (psutil): on a box shared with other work, where wall-clock rates
+swing with the neighbours' load, the CPU ratio is the steadier measure of what HTTP costs.
 
 Options not listed below go to `kvscope serve` (--model, --device, --max-num-seqs, ...).
 --tiny uses the random tiny test model (tests/tiny_models.py): steps of a millisecond or two,
@@ -203,7 +205,9 @@ def bench(serve_args, requests: int, concurrency: int, prompt_len: int, max_toke
     return {"requests": requests, "concurrency": concurrency, "prompt_len": prompt_len,
             "max_tokens": max_tokens, "reps": reps, "median": med,
             "runs": {w: [r["tokens_per_s"] for r in rs] for w, rs in runs.items()},
-            "http_over_ipc": med["http"]["tokens_per_s"] / med["ipc"]["tokens_per_s"]}
+            "http_over_ipc": med["http"]["tokens_per_s"] / med["ipc"]["tokens_per_s"],
+            # Less at the mercy of other processes on a shared box than wall-clock rates:
+            "server_cpu_ipc_over_http": med["ipc"]["server_cpu_s"] / med["http"]["server_cpu_s"]}
 
 
 def table(r: dict) -> str:
@@ -217,7 +221,8 @@ def table(r: dict) -> str:
                      f"{1e3 * m['ttft_p50_s']:8.1f} ms   CPU s server {m['server_cpu_s']:.2f} "
                      f"client {m['client_cpu_s']:.2f}   runs "
                      + " ".join(f"{x:.0f}" for x in r["runs"][way]))
-    lines.append(f"  HTTP / ZeroMQ throughput: {r['http_over_ipc']:.3f}")
+    lines.append(f"  HTTP / ZeroMQ throughput: {r['http_over_ipc']:.3f}; server CPU per token, "
+                 f"ZeroMQ / HTTP: {r['server_cpu_ipc_over_http']:.3f}")
     return "\n".join(lines)
 
 
