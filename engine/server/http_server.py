@@ -24,6 +24,9 @@ def bind(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise OSError(f"cannot serve HTTP on {host}:{port}: {exc.strerror or exc}") from None
+    # Listening now, not when uvicorn's thread gets round to it: a client that read the
+    # ready line may connect at once, and is queued instead of refused.
+    sock.listen(2048)
     sock.set_inheritable(True)
     return sock
 
