@@ -81,3 +81,16 @@ def test_submit_carries_the_openai_fields_to_the_engine():
     assert cmd.sampling == m.Sampling(max_tokens=5, temperature=0.5, top_p=0.8, top_k=7,
                                       seed=3, stop=["END"], stop_token_ids=[9],
                                       ignore_eos=True)
+
+
+def test_the_api_socket_accepts_connections_before_uvicorn_runs():
+    import socket
+
+    from engine.server.http_server import bind, url_of
+
+    sock = bind("127.0.0.1", 0)
+    try:
+        assert url_of(sock).startswith("http://127.0.0.1:")
+        socket.create_connection(sock.getsockname()[:2], timeout=5).close()  # not refused
+    finally:
+        sock.close()
