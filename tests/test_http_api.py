@@ -377,3 +377,18 @@ def test_http_remote_rule(capsys):
         assert "plain HTTP" in capsys.readouterr().err
         check_http_remote(host, None, True)  # so does --allow-remote, with a warning
         assert "WARNING" in capsys.readouterr().err
+
+
+def test_api_key_comes_from_the_environment(monkeypatch):
+    from engine.cli.http_options import http_address
+    from engine.cli.serve import build_parser
+
+    monkeypatch.setenv("KVSCOPE_API_KEY", "from-env")
+    args = build_parser().parse_args(["--http-port", "0", "--http-host", "0.0.0.0"])
+    assert args.api_key == "from-env" and http_address(args) == ("0.0.0.0", 0)
+    args = build_parser().parse_args(["--http-port", "0", "--api-key", "flag"])
+    assert args.api_key == "flag" and http_address(args) == ("127.0.0.1", 0)
+    monkeypatch.delenv("KVSCOPE_API_KEY")
+    args = build_parser().parse_args(["--http-port", "0", "--http-host", "0.0.0.0"])
+    with pytest.raises(ValueError, match="--api-key"):
+        http_address(args)
