@@ -9,6 +9,9 @@ cost stays small), alternating
 --reps times. Reports generated tokens/s each way (medians) and their ratio, TTFT, and the
 server's CPU seconds each way (psutil): on a box shared with other work, where wall-clock rates
 swing with the neighbours' load, the CPU ratio is the steadier measure of what HTTP costs.
+The engine steps each way show how well the batches stayed full: a closed loop of equal
+requests finishes them in waves, and a wave's resubmissions that trickle in start a step
+with only part of the batch.
 
 Options not listed below go to `kvscope serve` (--model, --device, --max-num-seqs, ...).
 --tiny uses the random tiny test model (tests/tiny_models.py): steps of a millisecond or two,
@@ -186,20 +189,23 @@ def bench(serve_args, requests: int, concurrency: int, prompt_len: int, max_toke
             for rep in range(reps):
                 for way in ("ipc", "http") if rep % 2 == 0 else ("http", "ipc"):
                     cpu0, mine0 = sum(server_cpu.cpu_times()[:2]), time.process_time()
+                    steps0 = client.snapshot().stats.step
                     r = (run_ipc(client, prompts, max_tokens, concurrency) if way == "ipc"
                          else run_http(hello.http_url, prompts, max_tokens, concurrency))
                     r["server_cpu_s"] = sum(server_cpu.cpu_times()[:2]) - cpu0
                     r["client_cpu_s"] = time.process_time() - mine0
+                    r["steps"] = client.snapshot().stats.step - steps0
                     if r["tokens"] != requests * max_tokens:
                         raise SystemExit(f"{way}: {r['tokens']} tokens, expected "
                                          f"{requests * max_tokens}")
                     runs[way].append(r)
                     log(f"rep {rep} {way}: {r['tokens_per_s']:.1f} tok/s, CPU s: server "
-                        f"{r['server_cpu_s']:.2f}, client {r['client_cpu_s']:.2f}")
+                        f"{r['server_cpu_s']:.2f}, client {r['client_cpu_s']:.2f}, engine "
+                        f"steps {r['steps']}")
     finally:
         proc.terminate()
         proc.wait(30)
-    keys = ("tokens_per_s", "ttft_p50_s", "server_cpu_s", "client_cpu_s")
+    keys = ("tokens_per_s", "ttft_p50_s", "server_cpu_s", "client_cpu_s", "steps")
     med = {way: {k: statistics.median(r[k] for r in rs) for k in keys}
            for way, rs in runs.items()}
     return {"requests": requests, "concurrency": concurrency, "prompt_len": prompt_len,
@@ -219,7 +225,7 @@ def table(r: dict) -> str:
         m = r["median"][way]
         lines.append(f"  {name:28s} {m['tokens_per_s']:9.1f} tok/s   TTFT p50 "
                      f"{1e3 * m['ttft_p50_s']:8.1f} ms   CPU s server {m['server_cpu_s']:.2f} "
-                     f"client {m['client_cpu_s']:.2f}   runs "
+                     f"client {m['client_cpu_s']:.2f}   steps {m['steps']:.0f}   runs "
                      + " ".join(f"{x:.0f}" for x in r["runs"][way]))
     lines.append(f"  HTTP / ZeroMQ throughput: {r['http_over_ipc']:.3f}; server CPU per token, "
                  f"ZeroMQ / HTTP: {r['server_cpu_ipc_over_http']:.3f}")
