@@ -202,6 +202,33 @@ def _worth_sending(batch):
             yield d, reason
 
 
+async def sse_body(stream: EngineStream, token_event, usage_event,
+                   include_usage: bool) -> AsyncIterator[bytes]:
+    """A stream's events: whatever piled up since the last write goes out in one write, and
+    the ending (the usage chunk, or an error event, and [DONE]) goes with the last tokens, so
+    a client learns at once that it may send its next request."""
+    payload, batches = b"", stream.batches()
+    try:
+        async for batch in batches:
+            payload = b"".join(sse(token_event(d, reason))
+                               for d, reason in _worth_sending(batch))
+            if not stream.live:
+                break
+            if payload:
+                yield payload
+                payload = b""
+    except EngineUnavailable:  # the engine vanished without ending the request
+        stream.finish_reason = "abort"
+    finally:
+        await batches.aclose()
+    if stream.finish_reason not in FINISHED:
+        payload += sse(ended_early(stream).body())
+    elif include_usage:
+        payload += sse(usage_event(oa.usage(stream.num_prompt_tokens,
+                                            stream.num_output_tokens)))
+    yield payload + DONE
+
+
 def sse(obj) -> bytes:
     return b"data: " + msgspec.json.encode(obj) + b"\n\n"
 
@@ -242,18 +269,12 @@ class ChatReply:
 
     async def chunks(self, stream: EngineStream, include_usage: bool) -> AsyncIterator[bytes]:
         yield sse(self.chunk(oa.ChunkDelta(role="assistant", content="")))
-        async for batch in stream.batches():  # one write for what piled up meanwhile
-            payload = b"".join(sse(self.chunk(oa.ChunkDelta(content=d.text or None), reason))
-                               for d, reason in _worth_sending(batch))
-            if payload:
-                yield payload
-        if stream.finish_reason not in FINISHED:
-            yield sse(ended_early(stream).body())
-        elif include_usage:
-            yield sse(oa.ChatChunk(self.id, self.created, self.model, [],
-                                   oa.usage(stream.num_prompt_tokens,
-                                            stream.num_output_tokens)))
-        yield DONE
+        async for payload in sse_body(
+                stream,
+                lambda d, reason: self.chunk(oa.ChunkDelta(content=d.text or None), reason),
+                lambda u: oa.ChatChunk(self.id, self.created, self.model, [], u),
+                include_usage):
+            yield payload
 
 
 @dataclass
@@ -267,21 +288,13 @@ class CompletionReply:
                              [oa.CompletionChoice(0, text, stream.finish_reason)],
                              oa.usage(stream.num_prompt_tokens, stream.num_output_tokens))
 
-    async def chunks(self, stream: EngineStream, include_usage: bool) -> AsyncIterator[bytes]:
-        async for batch in stream.batches():
-            payload = b"".join(sse(oa.Completion(self.id, self.created, self.model,
-                                                 [oa.CompletionChoice(0, d.text, reason)],
-                                                 None))
-                               for d, reason in _worth_sending(batch))
-            if payload:
-                yield payload
-        if stream.finish_reason not in FINISHED:
-            yield sse(ended_early(stream).body())
-        elif include_usage:
-            yield sse(oa.Completion(self.id, self.created, self.model, [],
-                                    oa.usage(stream.num_prompt_tokens,
-                                             stream.num_output_tokens)))
-        yield DONE
+    def chunks(self, stream: EngineStream, include_usage: bool) -> AsyncIterator[bytes]:
+        return sse_body(
+            stream,
+            lambda d, reason: oa.Completion(self.id, self.created, self.model,
+                                            [oa.CompletionChoice(0, d.text, reason)], None),
+            lambda u: oa.Completion(self.id, self.created, self.model, [], u),
+            include_usage)
 
 
 def _guarded(handler):
