@@ -60,15 +60,18 @@ def start_http(args, address: tuple[str, int], server, metrics):
     """The API's HttpServer for an EngineServer (started; its URL is in hello)."""
     from engine.server.http_api import ApiSettings
     from engine.server.http_server import HttpServer
-    from engine.server.metrics import model_label
+    from engine.server.metrics import PREFIX, model_label
+    from engine.server.metrics_prefix import prefixed
 
     model = server.engine.config.model
     name = args.served_model_name or model_label(model)
     settings = ApiSettings(name, frozenset({model, model_label(model)}),
                            server.engine.max_model_len, args.api_key,
                            args.max_message_bytes)
-    http = HttpServer(server, settings, *address,
-                      registry=metrics.registry if metrics is not None else None)
+    registry = metrics.registry if metrics is not None else None
+    # /metrics on the API's port names things as the --metrics-port one does.
+    scraped = prefixed(registry, PREFIX, args.metrics_prefix) if registry is not None else None
+    http = HttpServer(server, settings, *address, registry=registry, scraped=scraped)
     server.http_url = http.url + "/v1"
     http.start()
     print(f"kvscope serve: OpenAI API at {server.http_url}", file=sys.stderr, flush=True)

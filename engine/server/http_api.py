@@ -318,9 +318,10 @@ async def _no_route(request: Request, exc) -> Response:
                                       None, "not_found" if code == 404 else "bad_method"))
 
 
-def build_app(bridge: EngineBridge, settings: ApiSettings, registry=None) -> Starlette:
-    """The ASGI app; `registry` (a prometheus CollectorRegistry) adds /metrics and counts
-    requests into http_requests_total."""
+def build_app(bridge: EngineBridge, settings: ApiSettings, registry=None,
+              scraped=None) -> Starlette:
+    """The ASGI app; `registry` (a prometheus CollectorRegistry) counts requests into
+    http_requests_total and adds /metrics, which serves `scraped` (default: registry)."""
     api = OpenAIApi(bridge, settings)
     routes = [
         Route("/v1/models", _guarded(api.models), methods=["GET"]),
@@ -330,7 +331,7 @@ def build_app(bridge: EngineBridge, settings: ApiSettings, registry=None) -> Sta
         Route("/version", api.version, methods=["GET"]),
     ]
     if registry is not None:
-        routes.append(metrics_route(registry))
+        routes.append(metrics_route(scraped or registry))
     app = Starlette(routes=routes, exception_handlers={404: _no_route, 405: _no_route})
     if registry is not None:
         app.add_middleware(CountRequests, counter=request_counter(registry),

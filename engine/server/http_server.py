@@ -40,11 +40,11 @@ class HttpServer:
     """The API of one engine server; `url` is the base (http://HOST:PORT), the API under /v1."""
 
     def __init__(self, server, settings: ApiSettings, host: str, port: int,
-                 registry=None) -> None:
+                 registry=None, scraped=None) -> None:
         self.bridge = EngineBridge(server)
         self.sock = bind(host, port)
         self.url = url_of(self.sock)
-        config = uvicorn.Config(build_app(self.bridge, settings, registry), lifespan="off",
+        config = uvicorn.Config(build_app(self.bridge, settings, registry, scraped), lifespan="off",
                                 log_level="warning", access_log=False, loop="auto",
                                 http="auto", ws="none", timeout_graceful_shutdown=GRACE_S)
         self.uvicorn = uvicorn.Server(config)
