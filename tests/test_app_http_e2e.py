@@ -15,9 +15,12 @@ from server_harness import save_chat_model
 from app.main_window import MainWindow
 from ipc.messages import BLOCK_STATE_MASK, BLOCK_USED
 
+# Long enough that only a hang-up ends it within the test's waits, however fast the machine.
+LONG = 200_000
+
 
 def stream_until(url: str, stop: threading.Event, seen: list) -> None:
-    body = {"prompt": "over http " * 4, "max_tokens": 400, "ignore_eos": True,
+    body = {"prompt": "over http " * 4, "max_tokens": LONG, "ignore_eos": True,
             "temperature": 0, "stream": True}
     with httpx.Client(timeout=60) as c, c.stream("POST", url + "/completions", json=body) as r:
         for line in r.iter_lines():
@@ -31,7 +34,7 @@ def test_http_request_shows_in_the_window(qtbot, tmp_path):
     before = set(threading.enumerate())
     settings = QSettings(str(tmp_path / "kvscope.ini"), QSettings.Format.IniFormat)
     window = MainWindow(engine_args=["--model", str(model), "--device", "cpu",
-                                     "--max-model-len", "500", "--http-port", "0"],
+                                     "--max-model-len", str(LONG + 100), "--http-port", "0"],
                         settings=settings)
     qtbot.addWidget(window)
     stop, seen = threading.Event(), []
@@ -64,7 +67,7 @@ def test_http_request_shows_in_the_window(qtbot, tmp_path):
         client.join(60)
         qtbot.waitUntil(lambda: not bool(window.block_map.frame.request_sources)
                         and window.block_map.frame.used == 0, timeout=60_000)
-        assert len(seen) < 400  # it hung up long before the end
+        assert len(seen) < LONG  # it hung up long before the end
     finally:
         stop.set()
         if client is not None:

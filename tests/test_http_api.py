@@ -18,9 +18,9 @@ from engine import LLM, EngineConfig, SamplingParams
 
 KEY = "test-key-0123456789"
 ENGINE = {"block_size": 8, "num_kv_blocks": 256, "max_num_seqs": 32,
-          "max_num_batched_tokens": 256, "max_model_len": 200}
+          "max_num_batched_tokens": 256, "max_model_len": 2000}
 ARGS = ["--block-size", "8", "--num-kv-blocks", "256", "--max-num-seqs", "32",
-        "--max-num-batched-tokens", "256", "--max-model-len", "200",
+        "--max-num-batched-tokens", "256", "--max-model-len", "2000",
         "--http-port", "0", "--api-key", KEY, "--served-model-name", "tiny-chat"]
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Hello there!"}]
 
@@ -93,7 +93,7 @@ def wait_for(predicate, timeout=30.0):
 def test_models_lists_the_served_model(oai):
     (entry,) = oai.models.list().data
     assert entry.id == "tiny-chat" and entry.owned_by == "kvscope"
-    assert entry.model_extra["max_model_len"] == 200
+    assert entry.model_extra["max_model_len"] == 2000
 
 
 def test_greedy_chat_equals_llm_chat(oai, reference):
@@ -192,7 +192,7 @@ def test_32_concurrent_streams_equal_llm_generate(url, reference):
     ({"top_p": 0}, "top_p"),
     ({"n": 2}, "n"),
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "user", "content": "x" * 400}]}, "messages"),  # > max_model_len
+    ({"messages": [{"role": "user", "content": "x" * 2100}]}, "messages"),  # > max_model_len
 ])
 def test_invalid_values_are_400_naming_the_param(oai, kw, param):
     args = greedy(messages=CHAT, max_tokens=4)
@@ -202,7 +202,7 @@ def test_invalid_values_are_400_naming_the_param(oai, kw, param):
     err = info.value.body
     assert info.value.status_code == 400 and err["param"] == param, err
     assert err["type"] == "invalid_request_error" and err["message"]
-    if "x" * 400 in str(kw):
+    if "x" * 2100 in str(kw):
         assert "max_model_len" in err["message"]
 
 
@@ -293,7 +293,7 @@ def test_stream_hang_up_aborts_and_frees_blocks(client, url):
     aborted = _aborted(client)
     with httpx.Client(timeout=60) as h, h.stream(
             "POST", url + "/completions", headers={"Authorization": f"Bearer {KEY}"},
-            json=greedy(prompt="a long one " * 8, max_tokens=150, stream=True,
+            json=greedy(prompt="a long one " * 8, max_tokens=1500, stream=True,
                         ignore_eos=True)) as r:
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
@@ -301,7 +301,7 @@ def test_stream_hang_up_aborts_and_frees_blocks(client, url):
         frame = _live(client)
         assert rid in frame.request_ids and frame.request_sources[rid] == "http"
         assert frame.used > 0 and client.snapshot().stats.server["http_in_flight"] == 1
-    # The connection is closed here, long before 150 tokens.
+    # The connection is closed here, long before 1500 tokens.
     frame = wait_for(lambda: _without(_live(client), rid))
     assert frame.used == 0 and frame.free + frame.cached == free_before
     assert rid not in frame.request_sources
@@ -310,7 +310,7 @@ def test_stream_hang_up_aborts_and_frees_blocks(client, url):
 
 def test_non_stream_hang_up_aborts_too(client, url):
     aborted = _aborted(client)
-    body = json.dumps(greedy(prompt="wait for me " * 4, max_tokens=190, ignore_eos=True))
+    body = json.dumps(greedy(prompt="wait for me " * 4, max_tokens=1900, ignore_eos=True))
     host, port = url.removeprefix("http://").removesuffix("/v1").rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=30) as sock:
         sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
@@ -343,7 +343,7 @@ def test_shutdown_ends_streams_with_an_error_and_refuses_new_ones(server, url):
     """Last: it stops the module's server."""
     with httpx.Client(timeout=60) as h, h.stream(
             "POST", url + "/completions", headers={"Authorization": f"Bearer {KEY}"},
-            json=greedy(prompt="long", max_tokens=190, stream=True, ignore_eos=True)) as r:
+            json=greedy(prompt="long", max_tokens=1900, stream=True, ignore_eos=True)) as r:
         lines = r.iter_lines()
         next(line for line in lines if line.startswith("data: "))
         server.signal(15)
