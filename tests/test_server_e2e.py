@@ -173,6 +173,21 @@ def test_reconfigure_kv_dtype_mid_generation_finishes_everything(client):
         client.reconfigure(kv_dtype="auto")
 
 
+def test_reconfigure_kv_rotation_over_the_wire(client):
+    """The window's path: the rotation changes live, every stream finishes, stats show it."""
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    outs, applied = _run_with_reconfigure(
+        client, prompts([9, 25], seed=6), params,
+        [{"kv_dtype": "int8", "kv_rotation": "none"}, {"kv_rotation": "hadamard"}])
+    try:
+        assert [a["kv_rotation"] for a in applied] == ["none", "hadamard"]
+        assert all(sum(len(d.token_ids) for d in o) == 30 for o in outs)
+        stats = client.snapshot().stats
+        assert (stats.engine["kv_rotation"], stats.config["kv_rotation"]) == ("hadamard",) * 2
+    finally:
+        client.reconfigure(kv_dtype="auto", kv_rotation="auto")
+
+
 def test_state_stream_matches_snapshot(client):
     client.subscribe(["step", "blocks", "stats"])
     rid = client.submit(prompts([20], 6)[0], {"max_tokens": 200, "ignore_eos": True})
@@ -253,18 +268,3 @@ def test_remote_bind_needs_allow_remote(capsys):
     assert eps == ("tcp://0.0.0.0:6000", "tcp://0.0.0.0:6001")
     serve_cli.check_remote(eps, allow_remote=True)
     assert "without authentication" in capsys.readouterr().err
-
-
-def test_reconfigure_kv_rotation_over_the_wire(client):
-    """The window's path: the rotation changes live, every stream finishes, stats show it."""
-    params = SamplingParams(max_tokens=30, ignore_eos=True)
-    outs, applied = _run_with_reconfigure(
-        client, prompts([9, 25], seed=6), params,
-        [{"kv_dtype": "int8", "kv_rotation": "none"}, {"kv_rotation": "hadamard"}])
-    try:
-        assert [a["kv_rotation"] for a in applied] == ["none", "hadamard"]
-        assert all(sum(len(d.token_ids) for d in o) == 30 for o in outs)
-        stats = client.snapshot().stats
-        assert (stats.engine["kv_rotation"], stats.config["kv_rotation"]) == ("hadamard",) * 2
-    finally:
-        client.reconfigure(kv_dtype="auto", kv_rotation="auto")
