@@ -1,6 +1,6 @@
 """Engine vs Hugging Face `generate` on one seeded mixed workload, plus MFU and KV waste.
 
-    python -m benchmarks.bench [--quick] [--json] [--profile] [engine options]
+    python -m benchmarks.bench [--quick] [--json] [--profile] [--concurrency N] [engine options]
     kvscope bench ...   /   make bench
 
 One workload (random.Random(seed)) of N requests with prompt and output lengths drawn
@@ -9,11 +9,14 @@ from wide ranges is sent all at once:
 * through the engine (`LLM.generate`, greedy, ignore_eos=True, so every request produces
   exactly its requested number of tokens), and
 * through Hugging Face `generate` with static batches of --batch-size requests in arrival
-  order: left padding with the EOS token as pad, an attention mask, greedy, and
+  order (the same dtype as the engine, dense weights): left padding with the EOS token as pad, an attention mask, greedy, and
   max_new_tokens = min_new_tokens = the longest requested output of the batch, so a batch
   runs until its longest request ends. Only requested tokens count as generated.
 
-Both get a tiny warm-up first and are timed with time.perf_counter.
+Both get a tiny warm-up first and are timed with time.perf_counter. Equal concurrency is
+the default comparison: --concurrency N (default 16) is both the engine's max_num_seqs and
+HF's batch size (--batch-size overrides HF's alone). The engine's weights default to dense
+here, so both read the same weights; `--weights int4` measures the quantized format.
 
 Definitions used in the report:
 
@@ -89,17 +92,22 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--quick", action="store_true",
                    help="small workload that finishes well under a minute")
     b = p.add_argument_group("baseline and report")
-    b.add_argument("--batch-size", type=int, default=8,
-                   help="Hugging Face static batch size (default 8)")
+    b.add_argument("--concurrency", type=int, default=16,
+                   help="engine max_num_seqs and HF static batch size (default 16); "
+                        "replaces --max-num-seqs")
+    b.add_argument("--batch-size", type=int, default=None,
+                   help="Hugging Face static batch size (default: --concurrency)")
     b.add_argument("--skip-hf", action="store_true", help="run the engine only")
     b.add_argument("--reserve-len", type=int, default=None,
                    help="per-request reservation for kv_waste_reserved "
                         "(default: the engine's max_model_len)")
     b.add_argument("--profile", action="store_true",
-                   help="report where engine step time goes (model forward vs the rest)")
+                   help="report where engine step time goes (model forward vs the rest) "
+                        "and the host overhead per step")
     b.add_argument("--json", action="store_true",
                    help="print exactly one JSON object on stdout (table goes to stderr)")
     add_engine_options(p)  # --model --device --dtype --block-size --kv-cache-bytes --seed ...
+    p.set_defaults(weights="dense")  # HF reads dense weights: compare like with like
     return p
 
 
@@ -115,6 +123,11 @@ def resolve_workload_args(args) -> None:
         raise ValueError("need 1 <= --min-prompt <= --max-prompt")
     if not 1 <= args.min_output <= args.max_output:
         raise ValueError("need 1 <= --min-output <= --max-output")
+    if args.concurrency < 1:
+        raise ValueError("--concurrency must be >= 1")
+    args.max_num_seqs = args.concurrency
+    if args.batch_size is None:
+        args.batch_size = args.concurrency
     if args.batch_size < 1:
         raise ValueError("--batch-size must be >= 1")
 
@@ -145,7 +158,7 @@ def build_workload(seed: int, n: int, prompt_range: tuple[int, int],
 # -- FLOPs, peak, KV waste -----------------------------------------------------------------
 def matmul_params_per_layer(model) -> int:
     """Weights every fed token multiplies through (all layers)."""
-    return sum(w.numel() for layer in model.layers
+    return sum(math.prod(w.shape) for layer in model.layers
                for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
 
 
@@ -157,7 +170,7 @@ def attention_flops(shape, context_sum: int) -> int:
 def model_flops(model, fed_tokens: int, logit_rows: int, context_sum: int) -> int:
     shape = model.shape
     return (2 * matmul_params_per_layer(model) * fed_tokens
-            + 2 * model.lm_head.numel() * logit_rows
+            + 2 * math.prod(model.lm_head.shape) * logit_rows
             + attention_flops(shape, context_sum))
 
 
@@ -342,6 +355,8 @@ def profile_report(timers: dict[str, Timer], total_seconds: float) -> dict:
         "share_of_step": {k: v / step for k, v in parts.items()},
         "model_forward_share": model / step,
         "non_model_share": 1 - model / step,
+        # Everything but the model: scheduling, inputs, sampling, detokenizing, outputs.
+        "host_overhead_ms_per_step": (step - model) / max(timers["step"].calls, 1) * 1e3,
     }
 
 
@@ -527,6 +542,7 @@ def run_bench(args) -> dict:
             "device": engine.device,
             "dtype": stats["dtype"],
             "kv_dtype": stats["kv_dtype"],
+            "weights": stats["weights"],
             "kv_bytes_per_token": stats["kv_bytes_per_token"],
             "max_model_len": stats["max_model_len"],
             "requests": args.requests,
@@ -564,8 +580,11 @@ def format_table(r: dict) -> str:
                      f"{c['prompt_range'][1]}, output {c['output_range'][0]}-"
                      f"{c['output_range'][1]} (seed {c['seed']})")),
         ("tokens", f"{r['prompt_tokens']} prompt + {r['generated_tokens']} generated"),
-        ("device", (f"{c['device']} {c['dtype']}, {c['torch_threads']} threads, "
-                   f"matmul peak {r['matmul_gflops']:.1f} GFLOP/s")),
+        ("device", (f"{c['device']} {c['dtype']}, {c['weights']} weights, "
+                   f"{c['torch_threads']} threads, "
+                   f"matmul peak {r['matmul_gflops']:.1f} GFLOP/s ({c['dtype']})")),
+        ("concurrency", (f"engine max_num_seqs {c['max_num_seqs']}, "
+                        f"HF batch {c['hf_batch_size']}")),
         ("", ""),
         ("", f"{'engine':>12} {'HF static':>12}"),
         ("seconds", f"{_fmt(r['engine_seconds'], '12.2f')} {_fmt(r['hf_seconds'], '12.2f')}"),
@@ -597,6 +616,8 @@ def format_table(r: dict) -> str:
         rows.append(("", ""))
         rows.append(("profile", (f"{p['num_steps']} steps, {p['step_seconds']:.2f} s in step(), "
                                 f"{p['outside_step_seconds']:.2f} s outside")))
+        rows.append(("host overhead", (f"{p['host_overhead_ms_per_step']:.3f} ms per step "
+                                      "(step minus model forward and logits)")))
         for name, share in p["share_of_step"].items():
             rows.append((f"  {name}", f"{share * 100:5.1f}%  ({p['seconds'][name]:.2f} s)"))
     width = max(len(k) for k, _ in rows)

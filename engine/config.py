@@ -10,6 +10,9 @@ KV_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8")
 KV_ROTATIONS = ("auto", "hadamard", "none")
 MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
+# Matmul weights: dense in the model dtype, or weight-only int4 / int8 (CPU); see
+# engine.weight_formats. 'auto' is resolved by resolve_weights.
+WEIGHT_FORMATS = ("auto", "dense", "int4", "int8")
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
 
 
@@ -26,6 +29,7 @@ class EngineConfig:
     model: str = "default"
     device: str = "auto"
     dtype: str = "auto"
+    weights: str = "auto"
     block_size: int = 16
     kv_dtype: str = "auto"
     kv_rotation: str = "auto"
@@ -47,6 +51,8 @@ class EngineConfig:
             _fail("device", self.device, f"one of {DEVICES}")
         if self.dtype not in MODEL_DTYPES:
             _fail("dtype", self.dtype, f"one of {MODEL_DTYPES}")
+        if self.weights not in WEIGHT_FORMATS:
+            _fail("weights", self.weights, f"one of {WEIGHT_FORMATS}")
         if self.kv_dtype not in KV_DTYPES:
             _fail("kv_dtype", self.kv_dtype, f"one of {KV_DTYPES}")
         if self.kv_rotation not in KV_ROTATIONS:

@@ -28,6 +28,7 @@ from engine.sampler import make_generator, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence
+from engine.weight_formats import resolve_weights
 from kernels.rotation import matrix_name
 
 
@@ -50,8 +51,9 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         hf = self.loaded.hf_config
         self.max_model_len = config.max_model_len or hf.max_position_embeddings
+        self.weights = resolve_weights(config.weights, self.device, self.loaded.state_dict)
         self.model = PagedLlama(hf, self.loaded.state_dict, self.device, self.dtype,
-                                self.max_model_len)
+                                self.max_model_len, self.weights)
         if loaded is None:
             # The model keeps its own (fused, on-device) tensors; nothing needs the loader's
             # host copies any more, and a caller's `loaded` stays theirs to reuse.
@@ -311,4 +313,5 @@ class LLMEngine:
             "max_model_len": self.max_model_len,
             "device": self.device,
             "dtype": str(self.dtype).removeprefix("torch."),
+            "weights": self.weights,
         }

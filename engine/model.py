@@ -1,7 +1,9 @@
 """A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over the paged KV cache.
 
 Weights come straight from a Hugging Face state dict. Q/K/V and gate/up are fused into one
-matmul each because on a CPU every extra small GEMM costs as much in overhead as in FLOPs.
+matmul each, RoPE turns q and k in one go, and the norms are one op each, because decoding one
+token on a CPU costs as much in per-op overhead as in FLOPs. The matmul weights are dense or
+weight-only int4/int8 (engine.weight_formats).
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.weight_formats import make_linear
 from kernels.attention_ref import AttentionMetadata
 from kernels.ops import paged_attention, write_kv
 
@@ -45,25 +48,25 @@ class ModelShape:
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor
+    qkv: object            # a weight_formats linear: called as qkv(x)
+    o_proj: object
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: object
+    down: object
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """As Hugging Face computes it (in float32, then back), so greedy outputs match."""
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    """As Hugging Face computes it (in float32, then back, then the weight), so greedy
+    outputs match; F.rms_norm gives the same bits in one op."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, as Hugging Face computes it: rolling by half a head and
+    a sin whose first half is negated gives rotate_half(x) * sin exactly, in one op fewer."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def rope_tables(hf_config, num_positions: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,71 +83,85 @@ def rope_tables(hf_config, num_positions: int, dtype) -> tuple[torch.Tensor, tor
 
 class PagedLlama:
     def __init__(self, hf_config, state_dict: dict[str, torch.Tensor], device: str,
-                 dtype: torch.dtype, max_model_len: int) -> None:
+                 dtype: torch.dtype, max_model_len: int, weights: str = "dense") -> None:
         if hf_config.model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"model_type {hf_config.model_type!r} is not supported: "
                              f"expected one of {SUPPORTED_ARCHITECTURES}")
         self.shape = ModelShape.from_hf_config(hf_config)
-        self.device, self.dtype = device, dtype
+        self.device, self.dtype, self.weights = device, dtype, weights
         self.scale = self.shape.head_dim ** -0.5
         sd = {k.removeprefix("model."): v.to(device=device, dtype=dtype)
               for k, v in state_dict.items() if v.is_floating_point()}
         self.embed = sd["embed_tokens.weight"]
-        self.lm_head = sd.get("lm_head.weight", self.embed)  # tied embeddings (SmolLM)
+        # Tied embeddings (SmolLM) share the table; a quantized head is a copy.
+        self.lm_head = make_linear(sd.get("lm_head.weight", self.embed), None,
+                                   "int8" if weights == "int4" else weights)
         self.final_norm = sd["norm.weight"]
-        self.layers = [self._layer(sd, i) for i in range(self.shape.num_layers)]
+        self.layers = [self._layer(sd, i, weights) for i in range(self.shape.num_layers)]
         cos, sin = rope_tables(hf_config, max_model_len, dtype)
-        self.cos, self.sin = cos.to(device), sin.to(device)
+        half = self.shape.head_dim // 2
+        signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        self.cos, self.sin = cos.to(device), signed_sin.to(device)
 
     @staticmethod
-    def _layer(sd: dict, i: int) -> LayerWeights:
+    def _layer(sd: dict, i: int, weights: str) -> LayerWeights:
         p = f"layers.{i}."
         qkv = [sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]
         bias = [sd.get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
         return LayerWeights(
             input_norm=sd[p + "input_layernorm.weight"],
-            qkv=torch.cat(qkv).contiguous(),
-            qkv_bias=torch.cat(bias).contiguous() if bias[0] is not None else None,
-            o_proj=sd[p + "self_attn.o_proj.weight"],
+            qkv=make_linear(torch.cat(qkv).contiguous(),
+                            torch.cat(bias).contiguous() if bias[0] is not None else None,
+                            weights),
+            o_proj=make_linear(sd[p + "self_attn.o_proj.weight"], None, weights),
             post_norm=sd[p + "post_attention_layernorm.weight"],
-            gate_up=torch.cat([sd[p + "mlp.gate_proj.weight"],
-                               sd[p + "mlp.up_proj.weight"]]).contiguous(),
-            down=sd[p + "mlp.down_proj.weight"],
+            gate_up=make_linear(torch.cat([sd[p + "mlp.gate_proj.weight"],
+                                           sd[p + "mlp.up_proj.weight"]]).contiguous(),
+                                None, weights),
+            down=make_linear(sd[p + "mlp.down_proj.weight"], None, weights),
         )
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the model keeps (weights in their stored form, norms, rope tables)."""
+        out = [self.embed, *self.lm_head.tensors(), self.final_norm, self.cos, self.sin]
+        for layer in self.layers:
+            out += [layer.input_norm, layer.post_norm]
+            for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+                out += linear.tensors()
+        return out
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 pool) -> torch.Tensor:
         """Hidden states [T, hidden] of the flattened batch, after the final norm."""
+        eps = self.shape.rms_norm_eps
         h = F.embedding(input_ids, self.embed)
-        cos, sin = self.cos[positions], self.sin[positions]
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
         for i, layer in enumerate(self.layers):
-            h = h + self._attention(layer, rms_norm(h, layer.input_norm, self.shape.rms_norm_eps),
+            h = h + self._attention(layer, rms_norm(h, layer.input_norm, eps),
                                     cos, sin, meta, pool.layer(i))
-            h = h + self._mlp(layer, rms_norm(h, layer.post_norm, self.shape.rms_norm_eps))
-        return rms_norm(h, self.final_norm, self.shape.rms_norm_eps)
+            h = h + self._mlp(layer, rms_norm(h, layer.post_norm, eps))
+        return rms_norm(h, self.final_norm, eps)
 
     def _attention(self, layer, x, cos, sin, meta, kv) -> torch.Tensor:
         s = self.shape
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        qkv = layer.qkv(x)
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, s.num_heads, s.head_dim)
-        k = k.view(-1, s.num_kv_heads, s.head_dim)
-        v = v.view(-1, s.num_kv_heads, s.head_dim)
-        c, sn = cos[:, None, :], sin[:, None, :]
-        q = q * c + rotate_half(q) * sn
-        k = k * c + rotate_half(k) * sn
+        # q and k turn together: one RoPE over their heads side by side.
+        qk = apply_rope(qkv[:, :q_size + kv_size].view(-1, s.num_heads + s.num_kv_heads,
+                                                        s.head_dim), cos, sin)
+        q, k = qk[:, :s.num_heads], qk[:, s.num_heads:]
+        v = qkv[:, q_size + kv_size:].view(-1, s.num_kv_heads, s.head_dim)
         k_cache, v_cache, k_scale, v_scale = kv
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale, meta.rotation)
         o = paged_attention(q, k_cache, v_cache, meta, self.scale, k_scale, v_scale,
                             meta.rotation)
-        return F.linear(o.reshape(-1, q_size), layer.o_proj)
+        return layer.o_proj(o.reshape(-1, q_size))
 
     @staticmethod
     def _mlp(layer, x) -> torch.Tensor:
-        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer.down)
+        gate, up = layer.gate_up(x).chunk(2, dim=-1)
+        return layer.down(F.silu(gate) * up)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

@@ -30,19 +30,31 @@ class AttentionMetadata:
 
 
 def group_decode_rows(query_start_loc: list[int], context_lens: list[int],
-                      max_group: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Decode sequences sorted by length and cut into groups, so a short sequence is not
-    padded (and its gather copied) out to the longest context in the whole batch."""
+                      max_group: int = 256, max_padding: float = 0.25
+                      ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Decode sequences sorted by length and cut into as few groups as keep the padding
+    (gathered slots past a sequence's length) under `max_padding` of a group's slots, so
+    one long sequence does not make every short one gather out to its length, while
+    similar lengths share one gather and one attention call per layer."""
     decode = [i for i in range(len(context_lens))
               if query_start_loc[i + 1] - query_start_loc[i] == 1]
     decode.sort(key=lambda i: context_lens[i])
-    groups = []
-    for g in range(0, len(decode), max_group):
-        members = decode[g:g + max_group]
-        groups.append((torch.tensor([query_start_loc[i] for i in members], dtype=torch.long),
-                       torch.tensor([context_lens[i] for i in members], dtype=torch.long),
-                       torch.tensor(members, dtype=torch.long)))
-    return groups
+    groups: list[list[int]] = []
+    used = 0
+    for i in decode:
+        n = context_lens[i]
+        group = groups[-1] if groups else None
+        # Sorted ascending: a new member is the longest, so the group pads out to it.
+        if group is None or len(group) >= max_group \
+                or (len(group) + 1) * n * (1 - max_padding) > used + n:
+            groups.append([i])
+            used = n
+        else:
+            group.append(i)
+            used += n
+    return [(torch.tensor([query_start_loc[i] for i in g], dtype=torch.long),
+             torch.tensor([context_lens[i] for i in g], dtype=torch.long),
+             torch.tensor(g, dtype=torch.long)) for g in groups]
 
 
 def gather_blocks(cache: torch.Tensor, tables: torch.Tensor,
@@ -80,23 +92,27 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 
 def _decode_attention(query, pool, tables, starts, lens, scale, out) -> None:
-    """A group of single-query sequences at once: gather their blocks, mask past each length."""
+    """A group of single-query sequences at once: one gather of their blocks, then scores,
+    softmax and the weighted sum as batched matmuls in float32 (CPU SDPA is slow at one
+    query row, and in bfloat16 very slow), masking slots past each sequence's length."""
     k_cache, v_cache, k_scale, v_scale = pool
     block_size, kv_heads, head_dim = k_cache.shape[1:]
     max_blocks = -(-int(lens.max()) // block_size)
     tables = tables[:, :max_blocks]
     b, span = tables.shape[0], max_blocks * block_size
-    k = gather_blocks(k_cache, tables, k_scale, query.dtype)
-    v = gather_blocks(v_cache, tables, v_scale, query.dtype)
-    k = k.view(b, span, kv_heads, head_dim).transpose(1, 2)
-    v = v.view(b, span, kv_heads, head_dim).transpose(1, 2)
+    group = query.shape[1] // kv_heads
+    k = gather_blocks(k_cache, tables, k_scale, torch.float32).view(b, span, kv_heads, head_dim)
+    v = gather_blocks(v_cache, tables, v_scale, torch.float32).view(b, span, kv_heads, head_dim)
     dev = query.device
-    starts, lens = starts.to(dev), lens.to(dev)
-    q = query[starts].unsqueeze(2)                                   # [b, heads, 1, d]
-    mask = (torch.arange(span, device=dev) < lens[:, None])[:, None, None, :]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                       scale=scale, enable_gqa=True)
-    out[starts] = o.squeeze(2)
+    starts = starts.to(dev)
+    q = query[starts].float().view(b, kv_heads, group, head_dim)
+    scores = torch.matmul(q, k.permute(0, 2, 3, 1)).mul_(scale)      # [b, kv_heads, group, span]
+    if int(lens.min()) < span:
+        past = torch.arange(span, device=dev) >= lens.to(dev)[:, None]
+        scores.masked_fill_(past[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    o = torch.matmul(probs, v.transpose(1, 2))                        # [b, kv_heads, group, d]
+    out[starts] = o.view(b, kv_heads * group, head_dim).to(out.dtype)
 
 
 def _prefill_attention(query, pool, meta, i, scale, out) -> None:

@@ -8,6 +8,7 @@ from engine.config import (
     KV_DTYPES,
     KV_ROTATIONS,
     MODEL_DTYPES,
+    WEIGHT_FORMATS,
     EngineConfig,
 )
 
@@ -18,6 +19,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help='"default" (embedded SmolLM2-135M-Instruct), a checkpoint folder or a .gguf')
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--dtype", default="auto", choices=MODEL_DTYPES)
+    g.add_argument("--weights", default="auto", choices=WEIGHT_FORMATS,
+                   help="matmul weights: dense, or weight-only int4/int8 (CPU); auto = int4 "
+                        "on CPU for a 4-bit checkpoint (the embedded Q4_1 GGUF), else dense")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES)
     g.add_argument("--kv-rotation", default="auto", choices=KV_ROTATIONS,
@@ -42,7 +46,8 @@ def parse_bytes(text: str) -> int:
 
 def engine_config_from_args(args) -> EngineConfig:
     return EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+        model=args.model, device=args.device, dtype=args.dtype,
+        weights=args.weights, block_size=args.block_size,
         kv_dtype=args.kv_dtype, kv_rotation=args.kv_rotation, kv_cache_bytes=args.kv_cache_bytes,
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,

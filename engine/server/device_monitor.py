@@ -30,11 +30,9 @@ def unique_bytes(tensors) -> int:
 
 
 def model_tensors(model) -> list[torch.Tensor]:
-    """Every tensor the model keeps: weights, norms and the rope tables."""
-    out = [model.embed, model.lm_head, model.final_norm, model.cos, model.sin]
-    for layer in model.layers:
-        out.extend(vars(layer).values())
-    return out
+    """Every tensor the model keeps: weights in their stored form (int4/int8 codes and scales
+    when quantized, so the figure is the real bytes), norms and the rope tables."""
+    return model.tensors()
 
 
 def cpu_name() -> str:

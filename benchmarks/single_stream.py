@@ -1,0 +1,118 @@
+"""One chat at a time: decode tokens/s and greedy agreement with Hugging Face float32, for
+each weight format and model dtype (the measurements behind the CPU default).
+
+    python -m benchmarks.single_stream [--combos float32:dense bfloat16:int4 ...] [--json]
+
+Speed: the kv-accuracy prompt set's first prompt (chat template applied), `--tokens`
+generated with ignore_eos after a warm-up, best of `--repeats`; tok/s = tokens / seconds of
+the whole request (prefill included, as a user sees it). Agreement: for each of the
+kv-accuracy prompts, the share of the `--agree-tokens` greedy tokens before the first one that
+differs from Hugging Face `generate` in float32 on the same checkpoint (1.0 = identical).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+DEFAULT_COMBOS = ["float32:dense", "bfloat16:dense", "float32:int4", "bfloat16:int4",
+                  "float32:int8", "bfloat16:int8"]
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.single_stream", description=__doc__)
+    p.add_argument("--model", default="default")
+    p.add_argument("--combos", nargs="+", default=DEFAULT_COMBOS,
+                   help="dtype:weights pairs, e.g. float32:dense bfloat16:int4")
+    p.add_argument("--tokens", type=int, default=128, help="tokens timed per request")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--agree-tokens", type=int, default=48)
+    p.add_argument("--json", action="store_true")
+    return p.parse_args(argv)
+
+
+def hf_reference(checkpoint, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = model.generate(torch.tensor([p]), max_new_tokens=max_tokens,
+                                 min_new_tokens=max_tokens, do_sample=False,
+                                 temperature=None, top_p=None, top_k=None)
+            out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def decode_speed(llm, prompt: list[int], tokens: int, repeats: int) -> float:
+    from engine import SamplingParams
+
+    llm.generate(prompt, SamplingParams(max_tokens=8))
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        llm.generate(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True))
+        best = max(best, tokens / (time.perf_counter() - t0))
+    return best
+
+
+def run(args) -> dict:
+    import torch
+
+    from benchmarks.kv_accuracy import PROMPTS, common_prefix
+    from engine import LLM, EngineConfig, SamplingParams
+    from engine.loader import load_model
+
+    loaded = load_model(args.model, torch.float32)
+    results = {}
+    prompts = reference = None
+    for combo in args.combos:
+        dtype, weights = combo.split(":")
+        print(f"[single-stream] {combo} ...", file=sys.stderr, flush=True)
+        llm = LLM(EngineConfig(model=args.model, dtype=dtype, weights=weights), loaded=loaded)
+        if prompts is None:
+            prompts = [llm.apply_chat_template([{"role": "user", "content": q}])
+                       for q in PROMPTS]
+            reference = hf_reference(loaded.checkpoint, prompts, args.agree_tokens)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=args.agree_tokens,
+                                                    ignore_eos=True))
+        agree = [common_prefix(list(o.token_ids), r) / len(r) for o, r in zip(outs, reference)]
+        results[combo] = {
+            "tokens_per_s": decode_speed(llm, prompts[0], args.tokens, args.repeats),
+            "greedy_agreement": sum(agree) / len(agree),
+            "identical_prompts": sum(a == 1.0 for a in agree),
+            "num_prompts": len(agree),
+            "weights": llm.stats()["weights"],
+            "weight_bytes": sum(t.nbytes for t in llm.engine.model.tensors()),
+        }
+        del llm
+    return results
+
+
+def print_table(results: dict) -> None:
+    print(f"{'dtype:weights':16} {'tok/s':>8} {'agree w/ HF f32':>16} {'identical':>10} "
+          f"{'weight MiB':>11}")
+    for combo, r in results.items():
+        print(f"{combo:16} {r['tokens_per_s']:8.1f} {r['greedy_agreement']:15.1%} "
+              f"{r['identical_prompts']:>5}/{r['num_prompts']:<4} "
+              f"{r['weight_bytes'] / 2**20:11.1f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    results = run(args)
+    if args.json:
+        print(json.dumps(results))
+    else:
+        print_table(results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""The model's matmul weights in a chosen format: dense, or weight-only int4 / int8 on CPU.
+
+Decoding one token reads every weight once, so a CPU decode is bound by weight bytes: 4-bit
+weights read 8x fewer bytes than float32. torch has a weight-only kernel for that on CPU,
+`_weight_int4pack_mm_for_cpu` (asymmetric 4-bit in groups of 32 along the input dimension);
+int8 runs on it too, as two 4-bit halves (Int8Linear). It wants bfloat16 activations and
+bfloat16 scales, so a quantized matmul rounds its input to bfloat16 and returns the model's
+dtype.
+
+int4 is the format the embedded GGUF already has: its Q4_1 blocks are 32 weights sharing a
+scale d and a minimum m (w = d * q + m, q in 0..15). Quantizing the dequantized weights again
+in groups of 32 (min and max of the group) finds the same q, d and m, so int4 here adds no
+error beyond rounding d and m to bfloat16. On a float checkpoint it is an ordinary lossy
+4-bit quantization.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import WEIGHT_FORMATS
+INT4_GROUP = 32
+# The packing kernel tiles output rows by 16.
+INT4_ROW_MULTIPLE = 16
+KERNEL_DTYPE = torch.bfloat16
+
+
+class DenseLinear:
+    """y = x W^T (+ b) in the model's dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.weight, self.bias) if t is not None]
+
+
+class Int4Linear:
+    """Weight-only 4-bit: w = (code - 8) * scale + zero, one (scale, zero) per 32 inputs."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.out_features, self.in_features = weight.shape
+        codes, scale_zero = quantize_int4(weight.float())
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        self.scale_zero = scale_zero.to(KERNEL_DTYPE)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.reshape(-1, self.in_features).to(KERNEL_DTYPE), self.packed, INT4_GROUP,
+            self.scale_zero)
+        y = y.view(*lead, self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.packed, self.scale_zero, self.bias) if t is not None]
+
+
+class Int8Linear:
+    """Weight-only int8 in groups of 32 (like GGUF's Q8_0): w = code * scale, code in
+    -127..127, scale = max |w| of the group / 127.
+
+    torch's int8 kernel (`_weight_int8pack_mm`) has one scale per output row and measured
+    slower here than the int4 one, so each code is split into two 4-bit halves,
+    code = 16 * hi + lo (hi in -8..7, lo in 0..15), stored as 2N rows of one int4 matrix:
+    rows [0, N) give hi * (16 * scale), rows [N, 2N) give lo * scale, and y is their sum.
+    One int4 call, exact for the codes.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.out_features, self.in_features = weight.shape
+        n, k = weight.shape
+        groups = weight.float().reshape(n, k // INT4_GROUP, INT4_GROUP)
+        scale = (groups.abs().amax(dim=-1) / 127).clamp_min(1e-12)    # [N, K/32]
+        codes = (groups / scale[..., None]).round().clamp(-127, 127).to(torch.int32)
+        hi = torch.div(codes, 16, rounding_mode="floor")
+        lo = codes - 16 * hi
+        halves = torch.cat([hi + 8, lo]).reshape(2 * n, k)
+        # (code - 8) * scale + zero: hi rows scale 16 * s, zero 0; lo rows scale s, zero 8 * s.
+        scales = torch.cat([16 * scale, scale])
+        zeros = torch.cat([torch.zeros_like(scale), 8 * scale])
+        scale_zero = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(halves, 1)
+        self.scale_zero = scale_zero.to(KERNEL_DTYPE)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead, n = x.shape[:-1], self.out_features
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.reshape(-1, self.in_features).to(KERNEL_DTYPE), self.packed, INT4_GROUP,
+            self.scale_zero)
+        y = (y[:, :n] + y[:, n:]).view(*lead, n).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.packed, self.scale_zero, self.bias) if t is not None]
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [N, K] -> (codes int32 [N, K] in 0..15, scale_zero float32 [K/32, N, 2]).
+
+    Per group of 32 inputs: scale = (max - min) / 15, code = round((w - min) / scale), and
+    the kernel's zero is the value of code 8, min + 8 * scale.
+    """
+    n, k = weight.shape
+    groups = weight.reshape(n, k // INT4_GROUP, INT4_GROUP)
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-12)
+    codes = ((groups - lo[..., None]) / scale[..., None]).round().clamp(0, 15)
+    zero = lo + 8 * scale
+    scale_zero = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+    return codes.reshape(n, k).to(torch.int32), scale_zero
+
+
+def int4_supports(weight: torch.Tensor) -> bool:
+    n, k = weight.shape
+    return k % INT4_GROUP == 0 and n % INT4_ROW_MULTIPLE == 0
+
+
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str):
+    """The weight in `fmt` ('dense', 'int4' or 'int8'); dense for a shape the int4 kernel
+    cannot tile (rows not a multiple of 16 or inputs not of 32)."""
+    if fmt == "dense" or not int4_supports(weight):
+        return DenseLinear(weight, bias)
+    return Int4Linear(weight, bias) if fmt == "int4" else Int8Linear(weight, bias)
+
+
+def check_weight_format(fmt: str, device: str) -> None:
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"weights={fmt!r} is invalid: expected one of {WEIGHT_FORMATS}")
+    if fmt in ("int4", "int8") and device != "cpu":
+        raise ValueError(f"weights={fmt!r} runs on the CPU only (torch's weight-only kernels); "
+                         f"on {device} use weights='dense'")
+
+
+def int4_is_exact(weight: torch.Tensor, rel_tol: float = 1e-5) -> bool:
+    """Whether the weight already holds 4-bit values in groups of 32 (a Q4_0/Q4_1 GGUF,
+    dequantized): int4 then finds back the very same values."""
+    if not int4_supports(weight):
+        return False
+    w = weight.float()
+    codes, scale_zero = quantize_int4(w)
+    return bool((dequantize_int4(codes, scale_zero) - w).abs().max()
+                <= rel_tol * w.abs().max())
+
+
+def dequantize_int4(codes: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
+    """The float weights [N, K] that (codes, scale_zero) stand for: (code - 8) * scale + zero."""
+    n, k = codes.shape
+    scale, zero = scale_zero.float().transpose(0, 1).unbind(-1)       # [N, K/32] each
+    groups = (codes.reshape(n, k // INT4_GROUP, INT4_GROUP).float() - 8) * scale[..., None]
+    return (groups + zero[..., None]).reshape(n, k)
+
+
+def resolve_weights(fmt: str, device: str, state_dict: dict[str, torch.Tensor]) -> str:
+    """'auto': int4 on the CPU when the checkpoint's matmul weights are 4-bit already (the
+    embedded Q4_1 GGUF), where it costs no accuracy and reads 8x fewer bytes per token;
+    dense otherwise (a float checkpoint stays as exact as it came, and CUDA runs dense)."""
+    check_weight_format(fmt, device)
+    if fmt != "auto":
+        return fmt
+    if device != "cpu":
+        return "dense"
+    probe = next((w for name, w in state_dict.items()
+                  if name.endswith("mlp.down_proj.weight")), None)
+    return "int4" if probe is not None and int4_is_exact(probe) else "dense"
