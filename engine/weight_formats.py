@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import WEIGHT_FORMATS
+
 INT4_GROUP = 32
 # The packing kernel tiles output rows by 16.
 INT4_ROW_MULTIPLE = 16
