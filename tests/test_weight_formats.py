@@ -143,7 +143,8 @@ def test_engine_in_a_quantized_format_tracks_its_dense_self(tiny, weights):
     quant = token_log_probs(llm.engine, ids)
     kl = float((dense.exp() * (dense - quant)).sum(-1).mean())
     assert kl < 0.05  # measured ~0.02: this random model's logits are far more peaked
-    assert (dense.argmax(-1) == quant.argmax(-1)).float().mean() > 0.9
+    # A broken kernel agrees at ~1/256 of positions; bfloat16 activations flip near-ties.
+    assert (dense.argmax(-1) == quant.argmax(-1)).float().mean() > 0.75
     # Decoding (batched, paged) picks what the same model scoring the sequence in one
     # prefill ranks first.
     prompts = [ids[:10], ids[:17]]
