@@ -21,41 +21,47 @@ class ModelRunner:
         hidden = self.model.forward(input_ids, positions, meta, self.pool)
         if not last_rows:
             return hidden.new_empty((0, self.model.shape.vocab_size))
+        if len(last_rows) == hidden.shape[0]:  # all decode rows: no gather needed
+            return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
 
     def prepare(self, batch: list[ScheduledSeq]):
+        """Plain lists first and one tensor per field at the end: building small tensors per
+        sequence costs more than the whole list work at 64 sequences."""
         bs = self.pool.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        starts, ctx_lens, last_rows = [0], [], []
-        for item in batch:
-            seq, start = item.seq, item.seq.num_computed_tokens
-            end = start + item.num_tokens
-            ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
+        tables: list[list[int]] = []
+        starts, ctx_lens, last_rows, prefill = [0], [], [], []
+        for i, item in enumerate(batch):
+            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_tokens
+            end = start + n
             table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            starts.append(starts[-1] + item.num_tokens)
+            if n == 1:  # decode: the common case, without ranges
+                ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                ids.extend(seq.token_ids[start:end])
+                positions.extend(range(start, end))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                prefill.append(i)
+            tables.append(table)
+            starts.append(starts[-1] + n)
             ctx_lens.append(end)
             if end == seq.num_tokens:
                 last_rows.append(starts[-1] - 1)
-        meta = self._metadata(batch, starts, ctx_lens, slots)
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)
-        return as_tensor(ids), as_tensor(positions), meta, last_rows
-
-    def _metadata(self, batch, starts, ctx_lens, slots) -> AttentionMetadata:
-        width = max(len(item.seq.block_table) for item in batch)
-        tables = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, item in enumerate(batch):
-            tables[i, :len(item.seq.block_table)] = torch.tensor(item.seq.block_table)
-        prefill = [i for i, item in enumerate(batch) if item.num_tokens > 1]
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             query_start_loc=starts,
             context_lens=ctx_lens,
-            block_tables=tables.to(self.device),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            block_tables=as_tensor(padded),
+            slot_mapping=as_tensor(slots),
             decode_groups=group_decode_rows(starts, ctx_lens),
             prefill_seqs=prefill,
             rotation=self.pool.rotation,
         )
+        return as_tensor(ids), as_tensor(positions), meta, last_rows
