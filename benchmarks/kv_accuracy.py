@@ -92,7 +92,9 @@ def run(args) -> dict:
     from engine.loader import load_model
 
     loaded = load_model(args.model, torch.float32)
-    llm = LLM(EngineConfig(model=args.model, block_size=args.block_size), loaded=loaded)
+    # Dense float32 weights: the KV dtype is the only thing that differs from the reference.
+    llm = LLM(EngineConfig(model=args.model, block_size=args.block_size, weights="dense"),
+              loaded=loaded)
     prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in PROMPTS]
     text_ids = loaded.tokenizer.encode(TEXT.read_text())[:args.text_tokens]
     engine = llm.engine

@@ -62,7 +62,8 @@ def strip_eos(tokens, eos_ids):
 
 @pytest.mark.parametrize("block_size", [1, 16, 64])
 def test_greedy_equals_hf_generate(loaded, prompts, hf_outputs, block_size):
-    llm = LLM(EngineConfig(block_size=block_size, max_num_batched_tokens=128), loaded=loaded)
+    llm = LLM(EngineConfig(block_size=block_size, max_num_batched_tokens=128, weights="dense"),
+              loaded=loaded)
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
     for out, ref in zip(outs, hf_outputs):
         # HF pads a finished sequence with pad tokens; compare the real reply.
@@ -77,7 +78,8 @@ def test_greedy_equals_hf_generate(loaded, prompts, hf_outputs, block_size):
 
 def test_greedy_equals_hf_generate_with_preemption(loaded, prompts, hf_outputs):
     # 12 blocks of 16 slots: the five requests together need ~20, so some must be preempted.
-    llm = LLM(EngineConfig(block_size=16, num_kv_blocks=12, max_num_batched_tokens=256),
+    llm = LLM(EngineConfig(block_size=16, num_kv_blocks=12, max_num_batched_tokens=256,
+                           weights="dense"),
               loaded=loaded)
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
     assert llm.stats()["num_preemptions"] > 0
@@ -87,7 +89,7 @@ def test_greedy_equals_hf_generate_with_preemption(loaded, prompts, hf_outputs):
 
 
 def test_stop_string_cuts_the_text(loaded, prompts, hf_outputs):
-    llm = LLM(EngineConfig(), loaded=loaded)
+    llm = LLM(EngineConfig(weights="dense"), loaded=loaded)
     full = llm.generate([prompts[0]], SamplingParams(max_tokens=MAX_TOKENS))[0].text
     word = full.split()[2]
     out = llm.generate([prompts[0]], SamplingParams(max_tokens=MAX_TOKENS, stop=[word]))[0]
@@ -96,7 +98,7 @@ def test_stop_string_cuts_the_text(loaded, prompts, hf_outputs):
 
 
 def test_chat_applies_the_template(loaded, prompts, hf_outputs):
-    llm = LLM(EngineConfig(), loaded=loaded)
+    llm = LLM(EngineConfig(weights="dense"), loaded=loaded)
     out = llm.chat([{"role": "user", "content": QUESTIONS[0]}],
                    SamplingParams(max_tokens=MAX_TOKENS))[0]
     assert out.prompt_token_ids == prompts[0]
