@@ -161,3 +161,18 @@ def test_quantized_weights_take_their_real_bytes(tiny):
     dense = sum(t.nbytes for t in make_llm(tiny, "dense").engine.model.tensors())
     int4 = sum(t.nbytes for t in make_llm(tiny, "int4").engine.model.tensors())
     assert int4 < dense * 0.6  # the embedding table stays float; every matmul is 4-bit
+
+
+def test_device_panel_counts_the_quantized_bytes(tiny):
+    """The device panel's weights figure (and so 'what fits') is what int4 really holds."""
+    from engine.server.device_monitor import DeviceMonitor
+
+    dense, int4 = make_llm(tiny, "dense").engine, make_llm(tiny, "int4").engine
+    dense_bytes = DeviceMonitor(dense).sample().weights_bytes
+    int4_bytes = DeviceMonitor(int4).sample().weights_bytes
+    layer = int4.model.layers[0]
+    packed = layer.gate_up.packed
+    assert packed.dtype == torch.uint8 and packed.numel() * 2 == layer.gate_up.shape[0] * 128
+    assert int4_bytes == sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                              for t in int4.model.tensors()}.values())
+    assert int4_bytes < 0.6 * dense_bytes
