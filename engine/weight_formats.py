@@ -131,17 +131,14 @@ def int4_supports(weight: torch.Tensor) -> bool:
 
 
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
-    """x [M, K] times the packed weight, [M, N] in x's dtype. A float32 x is split into a
-    bfloat16 head and the bfloat16 of what the head left out, both rows of one call, so the
-    input keeps about 16 significant bits instead of bfloat16's 8."""
-    if x.dtype != torch.float32:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.to(KERNEL_DTYPE), packed, INT4_GROUP, scale_zero).to(x.dtype)
-    head = x.to(KERNEL_DTYPE)
-    both = torch.cat([head, (x - head.float()).to(KERNEL_DTYPE)])
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(both, packed, INT4_GROUP, scale_zero)
-    m = x.shape[0]
-    return y[:m].float() + y[m:].float()
+    """x [M, K] times the packed weight, [M, N] in x's dtype, through bfloat16.
+
+    Splitting a float32 x into two bfloat16 rows (head and remainder) was tried: greedy
+    agreement with float32 Hugging Face rose only from 56 % to 62 % (the bfloat16 scales
+    bound it) for a slower call, so the input is simply rounded.
+    """
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x.to(KERNEL_DTYPE), packed, INT4_GROUP, scale_zero).to(x.dtype)
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str):
