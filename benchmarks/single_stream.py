@@ -6,8 +6,10 @@ each weight format and model dtype (the measurements behind the CPU default).
 Speed: the kv-accuracy prompt set's first prompt (chat template applied), `--tokens`
 generated with ignore_eos after a warm-up, best of `--repeats`; tok/s = tokens / seconds of
 the whole request (prefill included, as a user sees it). Agreement: for each of the
-kv-accuracy prompts, the share of the `--agree-tokens` greedy tokens before the first one that
-differs from Hugging Face `generate` in float32 on the same checkpoint (1.0 = identical).
+kv-accuracy prompts, greedy replies of up to `--agree-tokens` that stop at EOS on both sides
+(no min_new_tokens: HF would forbid EOS where the engine may pick it), compared with Hugging
+Face `generate` in float32 on the same checkpoint: tokens before the first difference over
+the longer reply's length (1.0 = identical).
 """
 from __future__ import annotations
 
@@ -44,10 +46,20 @@ def hf_reference(checkpoint, prompts: list[list[int]], max_tokens: int) -> list[
     with torch.inference_mode():
         for p in prompts:
             ids = model.generate(torch.tensor([p]), max_new_tokens=max_tokens,
-                                 min_new_tokens=max_tokens, do_sample=False,
-                                 temperature=None, top_p=None, top_k=None)
+                                 do_sample=False, temperature=None, top_p=None, top_k=None)
             out.append(ids[0, len(p):].tolist())
     return out
+
+
+def strip_eos(tokens, eos: set[int]) -> list[int]:
+    tokens = list(tokens)
+    return tokens[:-1] if tokens and tokens[-1] in eos else tokens
+
+
+def agreement(got: list[int], ref: list[int]) -> float:
+    from benchmarks.kv_accuracy import common_prefix
+
+    return common_prefix(got, ref) / max(len(got), len(ref), 1)
 
 
 def decode_speed(llm, prompt: list[int], tokens: int, repeats: int) -> float:
@@ -65,7 +77,7 @@ def decode_speed(llm, prompt: list[int], tokens: int, repeats: int) -> float:
 def run(args) -> dict:
     import torch
 
-    from benchmarks.kv_accuracy import PROMPTS, common_prefix
+    from benchmarks.kv_accuracy import PROMPTS
     from engine import LLM, EngineConfig, SamplingParams
     from engine.loader import load_model
 
@@ -80,9 +92,10 @@ def run(args) -> dict:
             prompts = [llm.apply_chat_template([{"role": "user", "content": q}])
                        for q in PROMPTS]
             reference = hf_reference(loaded.checkpoint, prompts, args.agree_tokens)
-        outs = llm.generate(prompts, SamplingParams(max_tokens=args.agree_tokens,
-                                                    ignore_eos=True))
-        agree = [common_prefix(list(o.token_ids), r) / len(r) for o, r in zip(outs, reference)]
+        outs = llm.generate(prompts, SamplingParams(max_tokens=args.agree_tokens))
+        eos = loaded.eos_token_ids
+        agree = [agreement(strip_eos(o.token_ids, eos), strip_eos(r, eos))
+                 for o, r in zip(outs, reference)]
         results[combo] = {
             "tokens_per_s": decode_speed(llm, prompts[0], args.tokens, args.repeats),
             "greedy_agreement": sum(agree) / len(agree),
