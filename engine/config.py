@@ -11,7 +11,8 @@ KV_ROTATIONS = ("auto", "hadamard", "none")
 MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 # Matmul weights: dense in the model dtype, or weight-only int4 / int8 (CPU); see
-# engine.weight_formats. 'auto' is resolved by resolve_weights.
+# engine.weight_formats. Dense by default: it keeps greedy output equal to Hugging Face's;
+# 'auto' (int4 for a 4-bit checkpoint on CPU) is the faster opt-in, resolved by resolve_weights.
 WEIGHT_FORMATS = ("auto", "dense", "int4", "int8")
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
 
@@ -29,7 +30,7 @@ class EngineConfig:
     model: str = "default"
     device: str = "auto"
     dtype: str = "auto"
-    weights: str = "auto"
+    weights: str = "dense"
     block_size: int = 16
     kv_dtype: str = "auto"
     kv_rotation: str = "auto"

@@ -89,7 +89,7 @@ def test_greedy_equals_hf_generate_with_preemption(loaded, prompts, hf_outputs):
 
 
 def test_stop_string_cuts_the_text(loaded, prompts, hf_outputs):
-    llm = LLM(EngineConfig(weights="dense"), loaded=loaded)
+    llm = LLM(EngineConfig(), loaded=loaded)
     full = llm.generate([prompts[0]], SamplingParams(max_tokens=MAX_TOKENS))[0].text
     word = full.split()[2]
     out = llm.generate([prompts[0]], SamplingParams(max_tokens=MAX_TOKENS, stop=[word]))[0]
@@ -98,7 +98,8 @@ def test_stop_string_cuts_the_text(loaded, prompts, hf_outputs):
 
 
 def test_chat_applies_the_template(loaded, prompts, hf_outputs):
-    llm = LLM(EngineConfig(weights="dense"), loaded=loaded)
+    # The default configuration: greedy chat equals Hugging Face float32 token for token.
+    llm = LLM(EngineConfig(), loaded=loaded)
     out = llm.chat([{"role": "user", "content": QUESTIONS[0]}],
                    SamplingParams(max_tokens=MAX_TOKENS))[0]
     assert out.prompt_token_ids == prompts[0]
