@@ -228,10 +228,13 @@ class EngineBridge(QObject):
         return self._dead
 
     # -- commands ---------------------------------------------------------------------------
-    def attach(self, command_endpoint: str, state_endpoint: str | None = None) -> None:
+    def attach(self, command_endpoint: str, state_endpoint: str | None = None,
+               keys=None) -> None:
+        """keys: ipc.keys.ClientKeys for an engine that requires CURVE; None: plain text."""
         self.detach()
+        curve = {"keys": keys} if keys is not None else {}
         self.client = self.client_factory(command_endpoint, state_endpoint,
-                                          heartbeat_timeout=self.heartbeat_timeout)
+                                          heartbeat_timeout=self.heartbeat_timeout, **curve)
         self.client.subscribe(TOPICS, callback=self.mailbox.put_frame)
         self._worker.client = self.client
         self._dead = False

@@ -30,6 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attach to a running `kvscope serve` instead of starting an engine")
     p.add_argument("--attach-state", metavar="ENDPOINT",
                    help="its state endpoint (default: the command port + 1)")
+    p.add_argument("--keys", metavar="DIR",
+                   help="with --attach: CURVE key folder (default $XDG_CONFIG_HOME/kvscope/keys;"
+                        " keys are used off loopback, or with --auth curve or --keys)")
+    p.add_argument("--auth", choices=("auto", "curve"), default="auto",
+                   help="with --attach: curve uses the keys on loopback too")
+    p.add_argument("--insecure", action="store_true",
+                   help="with --attach: plain text even off loopback")
     p.add_argument("--demo", action="store_true", help="start the load generator at once")
     p.add_argument("--screenshot", metavar="PATH", help="save a PNG of the window and exit")
     p.add_argument("--after", type=float, default=10.0, metavar="SECONDS",
@@ -84,8 +91,23 @@ def start_demo(window) -> None:
         window.block_map.select_request(rid)
 
 
+def attach_keys(args):
+    """The CURVE keys to attach with (None: plain text); KeyFileError says what is missing."""
+    if not args.attach:
+        return None
+    from ipc.keys import client_keys_for
+
+    curve = True if args.auth == "curve" else (False if args.insecure else None)
+    return client_keys_for(args.attach, args.keys, curve)
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        keys = attach_keys(args)
+    except ValueError as exc:  # ipc.keys.KeyFileError names the missing or unsafe file
+        print(f"kvscope: error: {exc}", file=sys.stderr)
+        return 2
     from PySide6.QtCore import QTimer
     from PySide6.QtWidgets import QApplication
 
@@ -107,7 +129,7 @@ def main(argv: list[str]) -> int:
         scratch = tempfile.mkdtemp(prefix="kvscope-shot-")
         settings = QSettings(f"{scratch}/settings.ini", QSettings.Format.IniFormat)
     window = MainWindow(engine_args=engine_args(args), attach=args.attach,
-                        attach_state=args.attach_state, settings=settings)
+                        attach_state=args.attach_state, settings=settings, attach_keys=keys)
     if args.screenshot:
         w, _, h = args.size.partition("x")
         window.resize(int(w), int(h))

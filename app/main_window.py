@@ -53,12 +53,13 @@ class MainWindow(QMainWindow):
 
     def __init__(self, *, engine_args: list[str] | None = None, attach: str | None = None,
                  attach_state: str | None = None, settings: QSettings | None = None,
-                 heartbeat_timeout: float = 3.0) -> None:
+                 heartbeat_timeout: float = 3.0, attach_keys=None) -> None:
         super().__init__()
         self.setWindowTitle("kvscope")
         self.setObjectName("kvscopeMainWindow")
         self.settings = settings if settings is not None else app_settings.default_settings()
         self.attach_endpoints = (attach, attach_state) if attach else None
+        self.attach_keys = attach_keys  # ipc.keys.ClientKeys, or None for plain text
         self.hello = None
         self.closed = False
         self.bridge = EngineBridge(self, heartbeat_timeout=heartbeat_timeout)
@@ -194,7 +195,7 @@ class MainWindow(QMainWindow):
             self.engine.start()
         else:
             self.status.mark_connecting(f"attaching to {self.attach_endpoints[0]}…")
-            self.bridge.attach(*self.attach_endpoints)
+            self.bridge.attach(*self.attach_endpoints, keys=self.attach_keys)
 
     def restart_engine(self) -> None:
         self.bridge.detach()

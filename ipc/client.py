@@ -29,7 +29,9 @@ import zmq
 
 from ipc import codec
 from ipc import messages as m
+from ipc.curve import secure_client_socket
 from ipc.endpoints import is_ipv6, state_endpoint_for
+from ipc.keys import ClientKeys
 
 POLL_S = 0.1  # how often the I/O thread looks at the clock when nothing arrives
 
@@ -75,8 +77,12 @@ class _Stream:
 class EngineClient:
     def __init__(self, command_endpoint: str, state_endpoint: str | None = None, *,
                  timeout: float = 10.0, heartbeat_timeout: float = 2.5,
-                 on_dead: Callable[[str], None] | None = None) -> None:
+                 on_dead: Callable[[str], None] | None = None,
+                 keys: ClientKeys | None = None) -> None:
+        """keys: CURVE keys for an engine that requires them (ipc.keys.load_client_keys, or
+        ipc.keys.client_keys_for(endpoint)); None speaks plain text."""
         self.command_endpoint = command_endpoint
+        self.keys = keys
         self.state_endpoint = state_endpoint or state_endpoint_for(command_endpoint)
         self.timeout = timeout
         self.heartbeat_timeout = heartbeat_timeout
@@ -98,6 +104,7 @@ class EngineClient:
         self._wake_fd = self._wake_r.fileno()  # zmq.Poller reports plain sockets by fd
         self._wake_w.setblocking(False)
         self._last_seen = time.monotonic()
+        self._heard = False  # anything at all from the engine yet (else: refused or away)
         self._dead_reason: str | None = None
         self._closed = False
         self._ctx = zmq.Context()
@@ -115,6 +122,7 @@ class EngineClient:
         for sock, endpoint in ((dealer, self.command_endpoint), (sub, self.state_endpoint)):
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IPV6, int(is_ipv6(endpoint)))
+            secure_client_socket(sock, self.keys)
             sock.connect(endpoint)
         return dealer, sub
 
@@ -365,6 +373,7 @@ class EngineClient:
 
     def _seen(self) -> None:
         self._last_seen = time.monotonic()
+        self._heard = True
         if self._dead_reason is not None:
             self._dead_reason = None  # it was only stalled; calls already failed stay failed
 
@@ -423,10 +432,17 @@ class EngineClient:
         silent = time.monotonic() - self._last_seen
         if self._dead_reason is None and silent > self.heartbeat_timeout:
             self._dead_reason = (f"no heartbeat from the engine at {self.state_endpoint} "
-                                 f"for {silent:.1f} s")
+                                 f"for {silent:.1f} s" if self._heard else
+                                 self._never_answered(silent))
             self._fail_all(EngineDead(self._dead_reason))
             if self.on_dead is not None:
                 self.on_dead(self._dead_reason)
+
+    def _never_answered(self, silent: float) -> str:
+        how = "with CURVE keys" if self.keys is not None else "in plain text (no keys)"
+        return (f"not authorized or not reachable: nothing from the engine at "
+                f"{self.command_endpoint} in {silent:.1f} s, connecting {how}. Is it "
+                f"running, and does it allow this client's key (`kvscope keys allow`)?")
 
     def _fail_all(self, exc: Exception) -> None:
         with self._frames:

@@ -77,8 +77,9 @@ class Shutdown(_Command, tag="shutdown"):
 
 
 class TraceStart(_Command, tag="trace_start"):
-    """Record the session to a new JSONL trace at path (on the engine's machine); an
-    existing file is refused. include_prompts=False records prompt lengths only."""
+    """Record the session to a new JSONL trace at path (on the engine's machine): relative
+    to the engine's trace folder (HelloResult.trace_dir), or absolute inside it; anything
+    else, and an existing file, is refused. include_prompts=False: prompt lengths only."""
     path: str
     include_prompts: bool = True
 
@@ -135,6 +136,7 @@ class HelloResult(msgspec.Struct):
     max_message_bytes: int
     metrics_url: str | None = None  # Prometheus /metrics, when the engine serves it
     http_url: str | None = None  # the OpenAI-compatible API's base URL (…/v1), when served
+    trace_dir: str | None = None  # trace_start writes only under this folder (engine side)
 
 
 class SubmitResult(msgspec.Struct):

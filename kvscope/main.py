@@ -9,6 +9,7 @@ import importlib
 import sys
 
 BENCHMARKS = {"bench": "benchmarks.bench", "kv-accuracy": "benchmarks.kv_accuracy"}
+LIGHT = {"keys": "kvscope.keys"}  # commands that load neither torch nor Qt
 
 
 def wants_gui(argv: list[str]) -> bool:
@@ -22,8 +23,9 @@ def main(argv: list[str] | None = None) -> int:
         from app.main import main as gui_main
 
         return gui_main(argv[1:] if argv[:1] == ["gui"] else argv)
-    if argv[0] in BENCHMARKS:
-        return importlib.import_module(BENCHMARKS[argv[0]]).main(argv[1:])
+    if argv[0] in BENCHMARKS or argv[0] in LIGHT:
+        module = BENCHMARKS.get(argv[0]) or LIGHT[argv[0]]
+        return importlib.import_module(module).main(argv[1:])
     from engine.cli.main import main as engine_main
 
     return engine_main(argv)

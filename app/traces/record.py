@@ -22,10 +22,14 @@ from app.fmt import human_bytes
 SIZE_INTERVAL_MS = 1000
 
 
-def default_trace_path() -> str:
-    """<Documents or home>/kvscope-YYYYmmdd-HHMMSS.jsonl"""
-    docs = QStandardPaths.writableLocation(QStandardPaths.StandardLocation.DocumentsLocation)
-    folder = Path(docs) if docs and Path(docs).is_dir() else Path.home()
+def default_trace_path(trace_dir: str | None = None) -> str:
+    """<the engine's trace folder, else Documents or home>/kvscope-YYYYmmdd-HHMMSS.jsonl
+    (the engine records only under its trace folder, which its hello names)."""
+    if trace_dir:
+        folder = Path(trace_dir)
+    else:
+        docs = QStandardPaths.writableLocation(QStandardPaths.StandardLocation.DocumentsLocation)
+        folder = Path(docs) if docs and Path(docs).is_dir() else Path.home()
     return str(folder / time.strftime("kvscope-%Y%m%d-%H%M%S.jsonl"))
 
 
@@ -43,6 +47,7 @@ class TraceRecordPanel(QWidget):
         self.pending = False
         self.path: str | None = None
         self.size_bytes: int | None = None
+        self.trace_dir: str | None = None  # the engine's, from its hello
         self.record_button = QPushButton("● Record trace")
         self.record_button.setObjectName("traceRecordButton")
         self.record_button.clicked.connect(self.toggle)
@@ -68,6 +73,7 @@ class TraceRecordPanel(QWidget):
         layout.addWidget(self.file_label)
         layout.addWidget(self.size_label)
         bridge.traceChanged.connect(self.on_trace_changed)
+        bridge.helloReceived.connect(self.on_hello)
         bridge.commandFailed.connect(self.on_command_failed)
 
     def browse(self) -> None:
@@ -84,9 +90,9 @@ class TraceRecordPanel(QWidget):
             self.record_button.setEnabled(False)
             self.bridge.trace_stop()
             return
-        path = self.path_edit.text().strip() or default_trace_path()
+        path = self.path_edit.text().strip() or default_trace_path(self.trace_dir)
         if Path(path).exists():  # the engine refuses existing files: pick a fresh name
-            path = default_trace_path()
+            path = default_trace_path(self.trace_dir)
             self.path_edit.setText(path)
         self.pending = True
         self.record_button.setEnabled(False)
@@ -108,9 +114,16 @@ class TraceRecordPanel(QWidget):
         else:
             self.size_timer.stop()
             self.file_label.setText(f"saved {self.path}" if self.path else "not recording")
-            self.path_edit.setText(default_trace_path())
+            self.path_edit.setText(default_trace_path(self.trace_dir))
         self.update_size()
         self.recordingChanged.emit(self.recording)
+
+    def on_hello(self, hello) -> None:
+        """Propose a file in the engine's trace folder, unless the user typed a path."""
+        proposed = default_trace_path(self.trace_dir)
+        self.trace_dir = hello.trace_dir
+        if not self.recording and Path(self.path_edit.text()).parent == Path(proposed).parent:
+            self.path_edit.setText(default_trace_path(self.trace_dir))
 
     def on_command_failed(self, command: str, message: str) -> None:
         if command in ("trace_start", "trace_stop"):

@@ -14,7 +14,8 @@ DELEGATED = {"serve": "engine.cli.serve", "trace": "engine.cli.trace",
 # Run by the launcher (kvscope/main.py); listed here so that --help names every command.
 ELSEWHERE = {"bench": "engine vs Hugging Face generate on a mixed workload",
              "kv-accuracy": "accuracy of each KV dtype against float32 KV",
-             "gui": "the desktop app (the default with no command; --attach URL)"}
+             "gui": "the desktop app (the default with no command; --attach URL)",
+             "keys": "CURVE keys for remote attach: init, show, allow, trust"}
 HELP = {"serve": "headless engine process behind ZeroMQ",
         "trace": "replay, compare and export recorded session traces",
         "fragsim": "reserved-max-length vs paged KV waste experiment"}

@@ -10,6 +10,7 @@ import contextlib
 import signal
 import sys
 
+from engine.cli.auth import add_auth_options, server_auth, trace_dir, warn_plain_http
 from engine.cli.http_options import add_http_options, http_address, start_http
 from engine.cli.kv_events_options import (
     add_kv_events_options,
@@ -35,8 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-endpoint",
                    help="state endpoint (default: tcp port + 1, or PATH.state for ipc://)")
     p.add_argument("--allow-remote", action="store_true",
-                   help="allow binding a non-loopback address (the protocol has no "
-                        "authentication: anyone who can connect controls the engine)")
+                   help="allow binding a non-loopback address (ZeroMQ sockets then need "
+                        "CURVE keys unless --insecure; /metrics is plain HTTP)")
     p.add_argument("--max-message-bytes", type=parse_bytes, default=DEFAULT_MAX_MESSAGE_BYTES,
                    help="larger command messages are dropped by ZeroMQ (ZMQ_MAXMSGSIZE)")
     p.add_argument("--state-hz", type=float, default=30.0,
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --trace: record prompt lengths, not the prompt token ids")
     add_kv_events_options(p)
     add_http_options(p)
+    add_auth_options(p)
     add_engine_options(p)
     return p
 
@@ -82,12 +84,9 @@ def metrics_address(args) -> tuple[str, int] | None:
 def check_remote(eps, allow_remote: bool) -> None:
     remote = [e for e in eps if not endpoints.is_local(e)]
     if remote and not allow_remote:
-        raise ValueError(f"refusing to bind {', '.join(remote)}: not a loopback address. The "
-                         f"protocol has no authentication; pass --allow-remote if you mean it")
-    if remote:
-        print(f"kvscope serve: WARNING: listening on {', '.join(remote)} without "
-              f"authentication: anyone who can reach it can run and stop requests",
-              file=sys.stderr, flush=True)
+        raise ValueError(f"refusing to bind {', '.join(remote)}: not a loopback address; "
+                         f"pass --allow-remote if you mean it (with CURVE keys, see "
+                         f"`kvscope keys init`)")
 
 
 def main(argv: list[str]) -> int:
@@ -98,9 +97,13 @@ def main(argv: list[str]) -> int:
         eps = resolve_endpoints(args)
         metrics_at = metrics_address(args)
         http_at = http_address(args)
-        check_remote([*eps, *([endpoints.tcp(*metrics_at)] if metrics_at else []),
-                      *kv_events_endpoints(args)], args.allow_remote)
-    except ValueError as exc:
+        metrics_ep = [endpoints.tcp(*metrics_at)] if metrics_at else []
+        zmq_eps = [*eps, *kv_events_endpoints(args)]
+        check_remote([*zmq_eps, *metrics_ep], args.allow_remote)
+        auth = server_auth(args, zmq_eps)
+        warn_plain_http(metrics_ep)
+        traces_at = trace_dir(args)
+    except (ValueError, OSError) as exc:
         print(f"kvscope serve: error: {exc}", file=sys.stderr)
         return 2
     import zmq
@@ -123,10 +126,10 @@ def main(argv: list[str]) -> int:
                   flush=True)
         if args.trace:
             start_trace(engine, args.trace, include_prompts=not args.no_prompts)
-        kv_events = start_kv_events(engine, kv_events_config(args))
+        kv_events = start_kv_events(engine, kv_events_config(args), auth)
         server = EngineServer(engine, *eps, max_message_bytes=args.max_message_bytes,
                               state_hz=args.state_hz, metrics=metrics, metrics_url=metrics_url,
-                              kv_events=kv_events)
+                              kv_events=kv_events, auth=auth, trace_dir=traces_at)
         if http_at:
             http = start_http(args, http_at, server, metrics)
     except (ValueError, OSError, zmq.ZMQError) as exc:
@@ -135,6 +138,8 @@ def main(argv: list[str]) -> int:
             metrics.close()
         if kv_events is not None:
             kv_events.close()
+        if auth is not None:
+            auth.close()
         return 2
 
     def stop(*_) -> None:
@@ -155,17 +160,20 @@ def main(argv: list[str]) -> int:
         metrics.close()
     if kv_events is not None:
         kv_events.close()
+    if auth is not None:
+        auth.close()  # last: the sockets it guards are closed
     engine.stop_trace()
     return 1 if server.failed else 0
 
 
-def start_kv_events(engine, config):
-    """The KV-event publisher for --kv-events (None without it); says where it listens."""
+def start_kv_events(engine, config, auth=None):
+    """The KV-event publisher for --kv-events (None without it); says where it listens.
+    auth: CURVE on its sockets too (ipc.curve.ServerAuth; None: plain text)."""
     if config is None:
         return None
     from engine.server.kv_events import CacheEventFeed, KVEventPublisher
 
-    publisher = KVEventPublisher(config)
+    publisher = KVEventPublisher(config, auth=auth)
     publisher.start()
     pub, replay = publisher.endpoints
     print(f"kvscope serve: KV events (vLLM format) on {pub}"

@@ -31,9 +31,11 @@ from engine.server import snapshots
 from engine.server.io_thread import HEARTBEAT_S, WAKE, ClientGone, IOThread
 from engine.server.metrics import EngineMetrics, FinishedRequest
 from engine.server.metrics_feed import DEVICE_INTERVAL, MetricsFeed
+from engine.server.trace_paths import prepare_trace_dir, trace_path_under
 from engine.traces.recorder import start_trace
 from ipc import codec
 from ipc import messages as m
+from ipc.curve import ServerAuth
 
 MAX_STATE_BACKLOG = 4  # state frames not yet forwarded before the engine skips a round
 MAX_COMMANDS_PER_STEP = 256
@@ -66,9 +68,13 @@ class EngineServer:
     def __init__(self, engine, command_endpoint: str, state_endpoint: str, *,
                  max_message_bytes: int = m.DEFAULT_MAX_MESSAGE_BYTES, state_hz: float = 30.0,
                  max_pending_requests: int = 4096, metrics: EngineMetrics | None = None,
-                 metrics_url: str | None = None, kv_events=None) -> None:
+                 metrics_url: str | None = None, kv_events=None,
+                 auth: ServerAuth | None = None, trace_dir: Path | None = None) -> None:
+        """auth: CURVE keys for every socket (None: plain text). trace_dir: where trace
+        commands may write (None: the user's data folder)."""
         self.engine = engine
         self.kv_events = kv_events  # a kv_events.CacheEventFeed, flushed after each step
+        self.auth, self.trace_dir = auth, trace_dir
         self.prometheus, self.metrics_url = metrics, metrics_url
         self.http_url: str | None = None  # the OpenAI API's base URL, once it is served
         self.feed = MetricsFeed(engine, metrics)
@@ -121,6 +127,8 @@ class EngineServer:
         self.thread.join(10)
         self.io.join(10)
         if not (self.thread.is_alive() or self.io.is_alive()):
+            if self.auth is not None:
+                self.auth.release(self.ctx)  # its thread holds sockets of ctx too
             self.ctx.term()  # (a wedged thread still holds sockets: term would hang)
 
     # -- engine thread ---------------------------------------------------------------------
@@ -292,7 +300,8 @@ class EngineServer:
         e = self.engine
         return m.HelloResult(m.PROTOCOL_VERSION, engine_pkg.__version__, e.config.model,
                              os.getpid(), e.config.to_dict(), e.max_model_len,
-                             self.max_message_bytes, self.metrics_url, self.http_url)
+                             self.max_message_bytes, self.metrics_url, self.http_url,
+                             str(prepare_trace_dir(self.trace_dir)))
 
     def _cmd_submit(self, who, cmd: m.Submit) -> m.SubmitResult:
         if len(self.owners) >= self.max_pending_requests:
@@ -355,7 +364,10 @@ class EngineServer:
         return m.ShutdownResult(self._abort_all())
 
     def _cmd_tracestart(self, who, cmd: m.TraceStart) -> m.TraceResult:
-        path = Path(cmd.path)
+        try:
+            path = trace_path_under(prepare_trace_dir(self.trace_dir), cmd.path)
+        except (ValueError, OSError) as exc:
+            raise CommandError(m.REFUSED, str(exc)) from None
         if path.exists():
             raise CommandError(m.REFUSED, f"{cmd.path} exists; a trace starts a new file")
         try:

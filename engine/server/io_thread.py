@@ -18,6 +18,7 @@ import zmq
 from engine.server import snapshots
 from ipc import codec
 from ipc import messages as m
+from ipc.curve import ServerAuth, secure_server_socket
 from ipc.endpoints import is_ipv6
 
 
@@ -29,6 +30,7 @@ class ServerSide(Protocol):
     commands: queue.SimpleQueue
     engine: Any
     max_message_bytes: int
+    auth: ServerAuth | None
 
     def request_stop(self) -> None: ...
 
@@ -62,6 +64,8 @@ class IOThread(threading.Thread):
         self.pub.setsockopt(zmq.SNDHWM, PUB_HWM)
         self.pub.setsockopt(zmq.XPUB_VERBOSER, 1)  # see every (un)subscription: count them
         self.pub.setsockopt(zmq.MAXMSGSIZE, 1024)  # subscriptions are short
+        for sock in (self.router, self.pub):
+            secure_server_socket(sock, server.auth)  # no-op in plain-text mode
         self.endpoints = (_bind(self.router, command_endpoint), _bind(self.pub, state_endpoint))
         self.inproc = f"inproc://kvscope-engine-{id(self)}"
         self.pair = ctx.socket(zmq.PAIR)

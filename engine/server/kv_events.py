@@ -27,6 +27,7 @@ import zmq
 
 from engine.cache_events import BlockCached, BlockUncached
 from ipc import vllm_kv_events as v
+from ipc.curve import ServerAuth, secure_server_socket
 from ipc.endpoints import is_ipv6
 
 HASH_MASK = (1 << 64) - 1  # hashes go out as unsigned 64-bit ints, as vLLM's int hashes do
@@ -46,11 +47,13 @@ class KVEventsConfig:
     hwm: int = 100_000  # PUB high-water mark per subscriber (vLLM's default)
 
 
-def event_socket(ctx: zmq.Context, kind: int, endpoint: str) -> tuple[zmq.Socket, str]:
+def event_socket(ctx: zmq.Context, kind: int, endpoint: str,
+                 auth: ServerAuth | None = None) -> tuple[zmq.Socket, str]:
     """Create and bind one KV-event socket; returns it and the endpoint actually bound (a tcp
-    port of 0 or * picks a free one). Every KV-event socket is made here, so this is the one
-    place to add authentication."""
+    port of 0 or * picks a free one). Every KV-event socket is made here; with auth it speaks
+    CURVE and admits only allowed client keys, as the command and state sockets do."""
     sock = ctx.socket(kind)
+    secure_server_socket(sock, auth)
     if is_ipv6(endpoint):
         sock.setsockopt(zmq.IPV6, 1)
     if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
@@ -66,7 +69,8 @@ def event_socket(ctx: zmq.Context, kind: int, endpoint: str) -> tuple[zmq.Socket
 class KVEventPublisher(threading.Thread):
     """Owns the PUB and replay sockets; takes batches from `queue` (filled by a CacheEventFeed)."""
 
-    def __init__(self, config: KVEventsConfig, ctx: zmq.Context | None = None) -> None:
+    def __init__(self, config: KVEventsConfig, ctx: zmq.Context | None = None,
+                 auth: ServerAuth | None = None) -> None:
         super().__init__(name="kvscope-kv-events", daemon=True)
         self.config = config
         self.ctx = ctx or zmq.Context.instance()
@@ -76,14 +80,14 @@ class KVEventPublisher(threading.Thread):
         self.seqs = count()
         self.sent = self.replays = self.bad_replays = self.send_errors = self.bytes = 0
         self.stopping = threading.Event()
-        self.pub, pub_at = event_socket(self.ctx, zmq.PUB, config.endpoint)
+        self.pub, pub_at = event_socket(self.ctx, zmq.PUB, config.endpoint, auth)
         self.pub.setsockopt(zmq.SNDHWM, config.hwm)
         self.replay = None
         replay_at = None
         try:
             if config.replay_endpoint:
                 self.replay, replay_at = event_socket(self.ctx, zmq.ROUTER,
-                                                      config.replay_endpoint)
+                                                      config.replay_endpoint, auth)
                 self.replay.setsockopt(zmq.MAXMSGSIZE, 64)  # a request is 8 bytes
                 # Room for one whole replay; beyond that a send fails (and is counted)
                 # instead of silently losing batches or the end marker.
