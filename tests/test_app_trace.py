@@ -181,21 +181,26 @@ def test_replay_can_be_cancelled_and_close_kills_it(qtbot, model, recorded):
     assert panel.proc is None
 
 
-def test_window_records_a_real_session_and_replays_it(qtbot, model, tmp_path):
+def test_window_records_a_real_session_and_replays_it(qtbot, model, tmp_path, monkeypatch):
     from PySide6.QtCore import QSettings, Qt
 
     from app.main_window import MainWindow
 
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))  # the engine's trace folder
     settings = QSettings(str(tmp_path / "kvscope.ini"), QSettings.Format.IniFormat)
     window = MainWindow(engine_args=["--model", str(model), "--device", "cpu",
                                      "--block-size", "4", "--kv-cache-bytes", "262144"],
                         settings=settings)
     qtbot.addWidget(window)
     rec, replay = window.trace_panel.record, window.trace_panel.replay
-    path = tmp_path / "live.jsonl"
     try:
         window.start()
         qtbot.waitUntil(lambda: window.hello is not None, timeout=120_000)
+        traces = tmp_path / "data" / "kvscope" / "traces"
+        assert window.hello.trace_dir == str(traces.resolve())
+        # the panel proposes a file where the engine records (it refuses anywhere else)
+        assert Path(rec.path_edit.text()).parent == Path(window.hello.trace_dir)
+        path = traces / "live.jsonl"
         rec.path_edit.setText(str(path))
         rec.record_button.click()
         qtbot.waitUntil(lambda: rec.recording, timeout=10_000)

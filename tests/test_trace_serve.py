@@ -13,7 +13,7 @@ def test_serve_records_a_trace_and_starts_and_stops_on_command(tmp_path):
     model = save_chat_model(tmp_path / "chat", seed=1)
     first, second = tmp_path / "serve.jsonl", tmp_path / "second.jsonl"
     server = Server(model, tmp_path / "serve.log", "--block-size", "8", "--num-kv-blocks", "64",
-                    "--trace", str(first), "--no-prompts")
+                    "--trace", str(first), "--no-prompts", "--trace-dir", str(tmp_path))
     try:
         client = EngineClient(server.command, server.state, timeout=60, heartbeat_timeout=15)
         try:
