@@ -6,7 +6,9 @@ may be called from any thread: they queue the encoded command, wake that thread 
 socket pair and wait for the reply with a timeout. Token deltas and state frames are
 dispatched by the same thread into per-request queues, callbacks and a newest-frame-per-topic
 cache. Silence from the engine (no heartbeat or any other message for `heartbeat_timeout`
-seconds) marks it dead: waiting calls and streams raise EngineDead instead of hanging.
+seconds) marks it dead: waiting calls and streams raise EngineDead instead of hanging; an
+engine never heard from at all is "not authorized or not reachable" (wrong or missing CURVE
+keys look exactly like no engine: a refused client gets nothing).
 """
 from __future__ import annotations
 

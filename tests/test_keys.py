@@ -124,3 +124,25 @@ def test_serve_off_loopback_needs_server_keys_and_refuses_contradictions(home, c
     assert "contradict" in capsys.readouterr().err
     assert serve_cli.main(["--port", "0", "--auth", "curve"]) == 2  # loopback, asked for keys
     assert "no server keys" in capsys.readouterr().err
+
+
+def test_curve_is_the_default_off_loopback_and_insecure_warns(capsys):
+    from argparse import Namespace
+
+    from engine.cli.auth import uses_curve, warn_plain_http
+
+    def args(auth="auto", insecure=False):
+        return Namespace(auth=auth, insecure=insecure)
+
+    local, remote = ["tcp://127.0.0.1:5570", "ipc:///tmp/k"], ["tcp://0.0.0.0:5570"]
+    assert uses_curve(args(), local) is False
+    assert uses_curve(args(), local + remote) is True
+    assert uses_curve(args("curve"), local) is True
+    assert capsys.readouterr().err == ""
+    assert uses_curve(args(insecure=True), remote) is False
+    err = capsys.readouterr().err
+    assert "WARNING" in err and "0.0.0.0" in err and "plain text" in err
+    warn_plain_http(["tcp://127.0.0.1:9100"])
+    assert capsys.readouterr().err == ""
+    warn_plain_http(["tcp://0.0.0.0:9100"])
+    assert "plain HTTP" in capsys.readouterr().err

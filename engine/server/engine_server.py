@@ -31,7 +31,7 @@ from engine.server import snapshots
 from engine.server.io_thread import HEARTBEAT_S, WAKE, ClientGone, IOThread
 from engine.server.metrics import EngineMetrics, FinishedRequest
 from engine.server.metrics_feed import DEVICE_INTERVAL, MetricsFeed
-from engine.server.trace_paths import prepare_trace_dir, trace_path_under
+from engine.server.trace_paths import default_trace_dir, prepare_trace_dir, trace_path_under
 from engine.traces.recorder import start_trace
 from ipc import codec
 from ipc import messages as m
@@ -301,7 +301,7 @@ class EngineServer:
         return m.HelloResult(m.PROTOCOL_VERSION, engine_pkg.__version__, e.config.model,
                              os.getpid(), e.config.to_dict(), e.max_model_len,
                              self.max_message_bytes, self.metrics_url, self.http_url,
-                             str(prepare_trace_dir(self.trace_dir)))
+                             str(self.trace_dir or default_trace_dir()))
 
     def _cmd_submit(self, who, cmd: m.Submit) -> m.SubmitResult:
         if len(self.owners) >= self.max_pending_requests:
