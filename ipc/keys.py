@@ -69,6 +69,7 @@ def init_keys(folder: Path, force: bool = False) -> list[Path]:
                         f"(pass --force to replace them; clients and engines that know the "
                         f"old public keys will then be refused)")
     _private_dir(folder)
+    _disallow(folder / ALLOWED, _public_or_none(folder / f"{CLIENT}.key"))  # being replaced
     written = []
     for name in (SERVER, CLIENT):
         for path in (folder / f"{name}.key", folder / f"{name}.key_secret"):
@@ -210,6 +211,12 @@ def _public_or_none(path: Path) -> bytes | None:
         return _checked(public, path)
     except (OSError, ValueError):
         return None
+
+
+def _disallow(allowed: Path, public: bytes | None) -> None:
+    for path in allowed.glob("*.key") if public is not None else ():
+        if _public_or_none(path) == public:
+            path.unlink()
 
 
 def _write_public(path: Path, public: bytes) -> None:

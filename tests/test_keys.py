@@ -46,9 +46,13 @@ def test_init_never_overwrites_without_force(home, capsys):
     err = capsys.readouterr().err
     assert "exist" in err and "--force" in err and str(home / "server.key_secret") in err
     assert (home / "server.key_secret").read_bytes() == before
+    old_client = keys.read_public(home / "client.key")
     assert kvscope(["keys", "init", "--force"]) == 0
     assert (home / "server.key_secret").read_bytes() != before
     assert mode(home / "server.key_secret") == 0o600
+    # the replaced client key is no longer admitted (rotating keys is why one forces)
+    allowed = keys.allowed_keys(home / "allowed_clients")
+    assert old_client not in allowed and keys.read_public(home / "client.key") in allowed
 
 
 def test_init_tightens_a_folder_that_others_could_read(home):
