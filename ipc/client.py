@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from ipc import codec
 from ipc import messages as m
@@ -36,6 +37,8 @@ from ipc.endpoints import is_ipv6, state_endpoint_for
 from ipc.keys import ClientKeys
 
 POLL_S = 0.1  # how often the I/O thread looks at the clock when nothing arrives
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 class EngineError(Exception):
@@ -107,6 +110,7 @@ class EngineClient:
         self._wake_w.setblocking(False)
         self._last_seen = time.monotonic()
         self._heard = False  # anything at all from the engine yet (else: refused or away)
+        self._refusal: str | None = None  # why the last handshake failed, if one did
         self._dead_reason: str | None = None
         self._closed = False
         self._ctx = zmq.Context()
@@ -118,6 +122,8 @@ class EngineClient:
         dealer = self._ctx.socket(zmq.DEALER)
         # A fixed routing id: after a reconnect the engine still knows whose streams are whose.
         dealer.setsockopt(zmq.ROUTING_ID, b"kvscope-" + uuid.uuid4().bytes)
+        # Handshake failures tell "refused" from "away" for the error message.
+        self._monitor = dealer.get_monitor_socket(HANDSHAKE_FAILED)
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.RCVHWM, 64)  # this thread drains it: a short queue is enough
         sub.subscribe(b"heartbeat")  # always: it is how a dead engine is noticed
@@ -321,10 +327,13 @@ class EngineClient:
         poller.register(self._dealer, zmq.POLLIN)
         poller.register(self._sub, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         try:
             while self._serve_once(poller):
                 pass
         finally:
+            self._dealer.disable_monitor()
+            self._monitor.close()
             self._dealer.close()
             self._sub.close()
             self._fail_all(RuntimeError("the client is closed"))
@@ -337,6 +346,8 @@ class EngineClient:
             self._drain(self._dealer, self._on_reply)
         if self._sub in events:
             self._drain(self._sub, self._on_state)
+        if self._monitor in events:
+            self._read_handshake_failures()
         self._check_heartbeat()
         return True
 
@@ -440,11 +451,32 @@ class EngineClient:
             if self.on_dead is not None:
                 self.on_dead(self._dead_reason)
 
+    def _read_handshake_failures(self) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._refusal = self._why_refused(event["event"], event["value"])
+
+    def _why_refused(self, event: int, value: int) -> str:
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            return ("it refused this client's public key (on the engine's machine: "
+                    "`kvscope keys allow client.key`)")
+        if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and \
+                value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            return ("it requires CURVE keys (attach with --keys DIR or --auth curve)"
+                    if self.keys is None else "it speaks plain text, not CURVE")
+        return ("the handshake failed: is the engine's public key the right one "
+                "(`kvscope keys trust HOST server.key`)?" if self.keys is not None
+                else "the handshake failed")
+
     def _never_answered(self, silent: float) -> str:
         how = "with CURVE keys" if self.keys is not None else "in plain text (no keys)"
+        why = self._refusal or ("is it running, and does it allow this client's key "
+                                "(`kvscope keys allow`)?")
         return (f"not authorized or not reachable: nothing from the engine at "
-                f"{self.command_endpoint} in {silent:.1f} s, connecting {how}. Is it "
-                f"running, and does it allow this client's key (`kvscope keys allow`)?")
+                f"{self.command_endpoint} in {silent:.1f} s, connecting {how}: {why}")
 
     def _fail_all(self, exc: Exception) -> None:
         with self._frames:

@@ -33,14 +33,16 @@ def allowed_client(server, folder) -> EngineClient:
                         keys=keys.load_client_keys(folder))
 
 
-def assert_refused(server, client_keys) -> None:
-    """Nothing at all comes back, and the client says so within its heartbeat timeout."""
+def assert_refused(server, client_keys, why: str) -> None:
+    """Nothing at all comes back, and the client says so (and why) within its heartbeat
+    timeout."""
     client = EngineClient(server.command, server.state, timeout=60,
                           heartbeat_timeout=REFUSED_WITHIN_S, keys=client_keys)
     try:
         client.subscribe()
-        with pytest.raises(EngineDead, match="not authorized or not reachable"):
+        with pytest.raises(EngineDead, match="not authorized or not reachable") as exc:
             client.hello()
+        assert why in str(exc.value)
         assert all(client.latest(t) is None for t in ("heartbeat", "stats", "step"))
     finally:
         client.close()
@@ -59,7 +61,7 @@ def test_the_allowed_key_is_served(setup):
 
 def test_a_plain_text_client_gets_nothing(setup):
     server, server_keys, *_ = setup
-    assert_refused(server, None)
+    assert_refused(server, None, "it requires CURVE keys")
     with allowed_client(server, server_keys) as client:
         assert client.hello().model  # still serving the others
 
@@ -70,10 +72,10 @@ def test_an_unknown_key_gets_nothing_until_it_is_allowed(setup):
     # the right engine key, but a client key the engine has never been told about
     knows_engine = keys.ClientKeys(own.public, own.secret,
                                    keys.load_server_keys(server_keys).public)
-    assert_refused(server, knows_engine)
+    assert_refused(server, knows_engine, "refused this client's public key")
     assert "unknown public key " + own.public.decode() in server.log_text()
     # a client with a wrong idea of the engine's key does not get in either
-    assert_refused(server, own)
+    assert_refused(server, own, "is the engine's public key the right one")
     keys.allow_client(server_keys, stranger / "client.key", name="stranger")
     try:
         with EngineClient(server.command, server.state, timeout=60, heartbeat_timeout=15,
@@ -81,7 +83,7 @@ def test_an_unknown_key_gets_nothing_until_it_is_allowed(setup):
             assert client.hello().model  # admitted from the next handshake on, no restart
     finally:
         (server_keys / "allowed_clients" / "stranger.key").unlink()
-    assert_refused(server, knows_engine)
+    assert_refused(server, knows_engine, "refused this client's public key")
 
 
 def zmtp_greeting(mechanism: bytes) -> bytes:
