@@ -179,6 +179,9 @@ def describe(folder: Path) -> list[str]:
 
 # -- helpers ------------------------------------------------------------------------------
 def _pair(folder: Path, name: str) -> tuple[bytes, bytes]:
+    if not zmq.has("curve"):
+        raise KeyFileError(f"this pyzmq (libzmq {zmq.zmq_version()}) was built without CURVE "
+                           f"support: install the PyPI pyzmq wheel, which bundles libsodium")
     path = folder / f"{name}.key_secret"
     if not path.exists():
         raise KeyFileError(f"no {name} keys: {path} does not exist (run `kvscope keys init`"
