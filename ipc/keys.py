@@ -68,6 +68,7 @@ def init_keys(folder: Path, force: bool = False) -> list[Path]:
         raise KeyFileError(f"keys exist already: {', '.join(map(str, existing))} "
                         f"(pass --force to replace them; clients and engines that know the "
                         f"old public keys will then be refused)")
+    _require_curve()
     _private_dir(folder)
     _disallow(folder / ALLOWED, _public_or_none(folder / f"{CLIENT}.key"))  # being replaced
     written = []
@@ -178,10 +179,14 @@ def describe(folder: Path) -> list[str]:
 
 
 # -- helpers ------------------------------------------------------------------------------
-def _pair(folder: Path, name: str) -> tuple[bytes, bytes]:
+def _require_curve() -> None:
     if not zmq.has("curve"):
         raise KeyFileError(f"this pyzmq (libzmq {zmq.zmq_version()}) was built without CURVE "
                            f"support: install the PyPI pyzmq wheel, which bundles libsodium")
+
+
+def _pair(folder: Path, name: str) -> tuple[bytes, bytes]:
+    _require_curve()
     path = folder / f"{name}.key_secret"
     if not path.exists():
         raise KeyFileError(f"no {name} keys: {path} does not exist (run `kvscope keys init`"
