@@ -12,6 +12,7 @@ keys look exactly like no engine: a refused client gets nothing).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import queue
@@ -104,6 +105,10 @@ class EngineClient:
         self._latest: dict[str, object] = {}
         self._frame_callbacks: dict[str, list[Callable]] = {}
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        # Commands the DEALER would not take yet: it has no pipe while a refused handshake
+        # is retried, and a blocking send there would stall this thread (and the heartbeat
+        # check that turns silence into EngineDead).
+        self._unsent: collections.deque[bytes] = collections.deque()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_fd = self._wake_r.fileno()  # zmq.Poller reports plain sockets by fd
@@ -340,6 +345,7 @@ class EngineClient:
 
     def _serve_once(self, poller: zmq.Poller) -> bool:
         events = dict(poller.poll(POLL_S * 1000))
+        self._send_unsent()
         if self._wake_fd in events and not self._drain_outbox():
             return False
         if self._dealer in events:
@@ -365,7 +371,8 @@ class EngineClient:
             if op == "close":
                 return False
             if op == "send":
-                self._dealer.send(arg)
+                self._unsent.append(arg)
+                self._send_unsent()
             elif op == "sub":
                 self._sub.subscribe(arg.encode())
             elif op == "unsub":
@@ -478,7 +485,16 @@ class EngineClient:
         return (f"not authorized or not reachable: nothing from the engine at "
                 f"{self.command_endpoint} in {silent:.1f} s, connecting {how}: {why}")
 
+    def _send_unsent(self) -> None:
+        while self._unsent:
+            try:
+                self._dealer.send(self._unsent[0], zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._unsent.popleft()
+
     def _fail_all(self, exc: Exception) -> None:
+        self._unsent.clear()  # their calls fail now: never run them later
         with self._frames:
             calls, self._calls = list(self._calls.values()), {}
             streams = list(self._streams.values())
