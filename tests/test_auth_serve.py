@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import struct
 
 import pytest
+import zmq
 from server_harness import Server, save_chat_model
 
 from ipc import EngineClient, EngineDead, EngineError, keys
+from ipc.curve import secure_client_socket
 from ipc.endpoints import split_tcp
 
 REFUSED_WITHIN_S = 3.0  # the heartbeat timeout of the refused clients below
@@ -23,7 +26,8 @@ def setup(tmp_path_factory):
     traces = root / "traces"
     server = Server(save_chat_model(root / "chat", seed=3), root / "serve.log",
                     "--auth", "curve", "--keys", str(server_keys), "--trace-dir", str(traces),
-                    "--block-size", "8", "--num-kv-blocks", "64")
+                    "--block-size", "8", "--num-kv-blocks", "64",
+                    "--kv-events", "tcp://127.0.0.1:0", "--kv-events-replay", "tcp://127.0.0.1:0")
     yield server, server_keys, stranger, traces.resolve()
     assert server.stop() == 0, server.log_text()
 
@@ -137,3 +141,35 @@ def test_trace_commands_write_only_under_the_trace_dir(setup, tmp_path):
     finally:
         (traces / "escape").unlink()
     assert (traces / "sub" / "ok.jsonl").stat().st_size > 0
+
+
+def replay_answer(endpoint: str, client_keys) -> list[bytes] | None:
+    """Ask the KV-event replay ROUTER for everything from seq 0; its first reply, or None."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    secure_client_socket(sock, client_keys)
+    sock.connect(endpoint)
+    try:
+        sock.send_multipart([b"", (0).to_bytes(8, "big")], zmq.NOBLOCK)
+    except zmq.Again:
+        pass  # the handshake was refused already: nowhere to send
+    try:
+        return sock.recv_multipart() if sock.poll(5000) else None
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def test_the_kv_event_sockets_speak_curve_too(setup):
+    server, server_keys, stranger, _ = setup
+    found = re.search(r"KV events \(vLLM format\) on (\S+), replay on (\S+),",
+                      server.log_text())
+    assert found, server.log_text()
+    replay = found.group(2)
+    assert replay_answer(replay, None) is None  # plain text: nothing
+    own = keys.load_client_keys(stranger)
+    unknown = keys.ClientKeys(own.public, own.secret, keys.load_server_keys(server_keys).public)
+    assert replay_answer(replay, unknown) is None
+    answer = replay_answer(replay, keys.load_client_keys(server_keys))
+    assert answer is not None and len(answer) == 3 and len(answer[1]) == 8  # (b"", seq, batch)
