@@ -464,7 +464,9 @@ class EngineClient:
                 event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._refusal = self._why_refused(event["event"], event["value"])
+            why = self._why_refused(event["event"], event["value"])
+            if self._refusal is None or event["event"] != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                self._refusal = why  # a vaguer retry never hides the specific reason
 
     def _why_refused(self, event: int, value: int) -> str:
         if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
@@ -476,7 +478,8 @@ class EngineClient:
                     if self.keys is None else "it speaks plain text, not CURVE")
         return ("the handshake failed: is the engine's public key the right one "
                 "(`kvscope keys trust HOST server.key`)?" if self.keys is not None
-                else "the handshake failed")
+                else "the handshake failed: does it require CURVE keys (attach with --keys "
+                     "DIR or --auth curve)?")
 
     def _never_answered(self, silent: float) -> str:
         how = "with CURVE keys" if self.keys is not None else "in plain text (no keys)"

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import zmq
 
 from ipc import vllm_kv_events as v
+from ipc.curve import secure_client_socket
+from ipc.keys import ClientKeys
 
 REPLAY_TIMEOUT_MS = 5000  # a replay that has not ended by then is abandoned (gap counted)
 MAX_MESSAGE_BYTES = 64 << 20
@@ -26,14 +28,17 @@ class SubscriberCounters:
 
 class KVEventSubscriber:
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
-                 ctx: zmq.Context | None = None, hwm: int = 100_000) -> None:
-        """hwm: batches queued here before ZeroMQ drops newer ones (a gap, replayed later)."""
+                 ctx: zmq.Context | None = None, hwm: int = 100_000,
+                 keys: ClientKeys | None = None) -> None:
+        """hwm: batches queued here before ZeroMQ drops newer ones (a gap, replayed later).
+        keys: CURVE keys for a `kvscope serve` off loopback (None: plain, as vLLM speaks)."""
         self.ctx = ctx or zmq.Context.instance()
         self.topic = topic.encode()
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self.sub.setsockopt(zmq.RCVHWM, hwm)
         self.sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        secure_client_socket(self.sub, keys)
         self.sub.connect(endpoint)
         self.replay = None
         if replay_endpoint:
@@ -41,6 +46,7 @@ class KVEventSubscriber:
             self.replay.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             self.replay.setsockopt(zmq.LINGER, 0)
             self.replay.setsockopt(zmq.RCVHWM, 0)  # a replay is bounded by the publisher's buffer
+            secure_client_socket(self.replay, keys)
             self.replay.connect(replay_endpoint)
         self.last_seq = -1
         self.counters = SubscriberCounters()
@@ -82,8 +88,12 @@ class KVEventSubscriber:
         got: list[tuple[int, v.KVEventBatch]] = []
         if self.replay is not None:
             self._drop_stale_replies()
-            self.replay.send_multipart([b"", start.to_bytes(8, "big")])
-            while self.replay.poll(REPLAY_TIMEOUT_MS):
+            try:  # a refused handshake leaves no pipe: a blocking send would never return
+                self.replay.send_multipart([b"", start.to_bytes(8, "big")], zmq.NOBLOCK)
+                sent = True
+            except zmq.Again:
+                sent = False  # nothing will come back: the gap is counted below
+            while sent and self.replay.poll(REPLAY_TIMEOUT_MS):
                 frames = self.replay.recv_multipart()
                 if len(frames) < 3 or not frames[-1]:
                     break  # the end marker (seq -1, empty payload)

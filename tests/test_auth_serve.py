@@ -5,6 +5,7 @@ import os
 import re
 import socket
 import struct
+import time
 
 import pytest
 import zmq
@@ -13,6 +14,7 @@ from server_harness import Server, save_chat_model
 from ipc import EngineClient, EngineDead, EngineError, keys
 from ipc.curve import secure_client_socket
 from ipc.endpoints import split_tcp
+from ipc.vllm_kv_subscriber import KVEventSubscriber
 
 REFUSED_WITHIN_S = 3.0  # the heartbeat timeout of the refused clients below
 
@@ -65,7 +67,7 @@ def test_the_allowed_key_is_served(setup):
 
 def test_a_plain_text_client_gets_nothing(setup):
     server, server_keys, *_ = setup
-    assert_refused(server, None, "it requires CURVE keys")
+    assert_refused(server, None, "CURVE keys (attach with --keys DIR or --auth curve)")
     with allowed_client(server, server_keys) as client:
         assert client.hello().model  # still serving the others
 
@@ -173,3 +175,16 @@ def test_the_kv_event_sockets_speak_curve_too(setup):
     assert replay_answer(replay, unknown) is None
     answer = replay_answer(replay, keys.load_client_keys(server_keys))
     assert answer is not None and len(answer) == 3 and len(answer[1]) == 8  # (b"", seq, batch)
+    # the vLLM-format subscriber takes the same keys
+    with allowed_client(server, server_keys) as client:
+        client.generate([9, 9, 9, 9, 9, 9, 9, 9, 9], {"max_tokens": 2}, timeout=60)
+    subscriber = KVEventSubscriber(found.group(1), replay,
+                                   keys=keys.load_client_keys(server_keys))
+    try:
+        deadline = time.monotonic() + 30
+        replayed = []
+        while not replayed and time.monotonic() < deadline:  # once the batch is published
+            replayed = subscriber.replay_from(0)
+        assert replayed and subscriber.counters.bad == 0
+    finally:
+        subscriber.close()
