@@ -295,7 +295,11 @@ class Timer:
 
 
 class RunnerCounter:
-    """Wraps the runner instance's `run` to count what the model was actually given."""
+    """Wraps the runner instance's `run` to count what the model was actually given.
+
+    The counting runs inside step(), so it keeps its own timer and the profile takes it out
+    of the host overhead: it is the benchmark's work, not the engine's.
+    """
 
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -304,24 +308,29 @@ class RunnerCounter:
         self.context_sum = 0
         self.peak_used_blocks = 0
         self.max_batch_seqs = 0
+        self.timer = Timer()
         original = engine.runner.run
+        count = self.timer.wrap(self.count, "cpu")
 
         def run(batch):
-            for item in batch:
-                start, n = item.seq.num_computed_tokens, item.num_tokens
-                self.fed_tokens += n
-                self.context_sum += n * start + n * (n + 1) // 2
-                if start + n == item.seq.num_tokens:
-                    self.logit_rows += 1
-            self.max_batch_seqs = max(self.max_batch_seqs, len(batch))
-            self.peak_used_blocks = max(self.peak_used_blocks,
-                                        engine.block_manager.num_used_blocks)
+            count(batch)
             return original(batch)
 
         engine.runner.run = run
 
+    def count(self, batch) -> None:
+        for item in batch:
+            start, n = item.seq.num_computed_tokens, item.num_tokens
+            self.fed_tokens += n
+            self.context_sum += n * start + n * (n + 1) // 2
+            if start + n == item.seq.num_tokens:
+                self.logit_rows += 1
+        self.max_batch_seqs = max(self.max_batch_seqs, len(batch))
+        self.peak_used_blocks = max(self.peak_used_blocks,
+                                    self.engine.block_manager.num_used_blocks)
 
-def install_profile(engine) -> dict[str, Timer]:
+
+def install_profile(engine) -> dict:
     """Time the step and its parts by wrapping instance attributes (no engine edits)."""
     dev = engine.device
     timers = {name: Timer() for name in
@@ -332,16 +341,64 @@ def install_profile(engine) -> dict[str, Timer]:
     engine.runner.prepare = timers["prepare"].wrap(engine.runner.prepare, dev)
     engine.model.forward = timers["forward"].wrap(engine.model.forward, dev)
     engine.model.compute_logits = timers["logits"].wrap(engine.model.compute_logits, dev)
-    engine._append_token = timers["append"].wrap(engine._append_token, "cpu")
-    return timers
+    engine._append_tokens = timers["append"].wrap(engine._append_tokens, "cpu")
+    return {"timers": timers, "decode": DecodeSteps(engine, timers)}
 
 
-def profile_report(timers: dict[str, Timer], total_seconds: float) -> dict:
+NOT_HOST = ("forward", "logits", "bench_counting")
+
+
+def host_seconds(timers: dict[str, Timer]) -> tuple[float, float]:
+    """(wall, CPU) seconds of step() so far that were neither the model's nor the
+    benchmark's own counting."""
+    parts = [timers[k] for k in NOT_HOST if k in timers]
+    return (timers["step"].seconds - sum(t.seconds for t in parts),
+            timers["step"].cpu_seconds - sum(t.cpu_seconds for t in parts))
+
+
+class DecodeSteps:
+    """Host overhead of decode-only steps (every scheduled sequence decodes one token after
+    one it generated: the steady state of a server), by batch size, apart from the steps that
+    also prefill. Classifies outside the step's timer, so the profile does not time it."""
+
+    def __init__(self, engine, timers: dict[str, Timer]) -> None:
+        self.by_size: dict[int, list[float]] = {}  # seqs -> [steps, wall s, CPU s]
+        inner = engine.step
+
+        def step(*a, **kw):
+            sched = engine.scheduler
+            ready = {id(s) for s in sched.running
+                     if s.num_output_tokens > 0 and s.num_computed_tokens == s.num_tokens - 1}
+            steps, (wall, cpu) = engine.num_steps, host_seconds(timers)
+            out = inner(*a, **kw)
+            batch = engine.last_batch if engine.num_steps != steps else []
+            if batch and all(i.num_tokens == 1 and id(i.seq) in ready for i in batch):
+                wall_after, cpu_after = host_seconds(timers)
+                acc = self.by_size.setdefault(len(batch), [0, 0.0, 0.0])
+                acc[0] += 1
+                acc[1] += wall_after - wall
+                acc[2] += cpu_after - cpu
+            return out
+
+        engine.step = step
+
+    def report(self, sizes=None) -> dict:
+        rows = [v for k, v in self.by_size.items() if sizes is None or k in sizes]
+        steps = sum(r[0] for r in rows)
+        seqs = sum(k * v[0] for k, v in self.by_size.items() if sizes is None or k in sizes)
+        per_step = 1e3 / max(steps, 1)
+        return {"steps": steps, "mean_seqs": seqs / max(steps, 1),
+                "host_overhead_ms_per_step": sum(r[1] for r in rows) * per_step,
+                "host_overhead_cpu_ms_per_step": sum(r[2] for r in rows) * per_step}
+
+
+def profile_report(profile: dict, total_seconds: float, max_num_seqs: int) -> dict:
+    timers = profile["timers"]
     t = {k: v.seconds for k, v in timers.items()}
     # The host part runs on this thread alone, so its CPU time is the work it cost.
-    host_cpu = max(0.0, timers["step"].cpu_seconds - timers["forward"].cpu_seconds
-                   - timers["logits"].cpu_seconds)
-    step = t["step"] or 1e-12
+    host_cpu = max(0.0, host_seconds(timers)[1])
+    # The engine's step: the benchmark's counting inside it is taken out.
+    step = (t["step"] - t.get("bench_counting", 0.0)) or 1e-12
     model = t["forward"] + t["logits"]
     prepare = t["prepare"]
     # runner.run minus its parts: picking last rows, the empty-logits path.
@@ -355,10 +412,10 @@ def profile_report(timers: dict[str, Timer], total_seconds: float) -> dict:
         "sampler_and_other": rest,
     }
     return {
-        "step_seconds": t["step"],
+        "step_seconds": step,
         "num_steps": timers["step"].calls,
         "generate_seconds": total_seconds,
-        "outside_step_seconds": max(0.0, total_seconds - t["step"]),
+        "outside_step_seconds": max(0.0, total_seconds - step),
         "seconds": parts,
         "share_of_step": {k: v / step for k, v in parts.items()},
         "model_forward_share": model / step,
@@ -366,6 +423,9 @@ def profile_report(timers: dict[str, Timer], total_seconds: float) -> dict:
         # Everything but the model: scheduling, inputs, sampling, detokenizing, outputs.
         "host_overhead_ms_per_step": (step - model) / max(timers["step"].calls, 1) * 1e3,
         "host_overhead_cpu_ms_per_step": host_cpu / max(timers["step"].calls, 1) * 1e3,
+        "decode_only": profile["decode"].report(),
+        "decode_only_full_batch": {"seqs": max_num_seqs,
+                                   **profile["decode"].report({max_num_seqs})},
     }
 
 
@@ -380,8 +440,8 @@ def run_engine(args, reqs: list[Request], llm) -> dict:
     llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True))
     before = llm.stats()
 
-    timers = install_profile(engine) if args.profile else None
-    counter = RunnerCounter(engine)  # outermost, so the profile does not time the counting
+    profile = install_profile(engine) if args.profile else None
+    counter = RunnerCounter(engine)
     params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
     log(f"engine: {len(reqs)} requests ...")
     monitor = CpuMonitor()
@@ -410,8 +470,9 @@ def run_engine(args, reqs: list[Request], llm) -> dict:
         "stats": after,
         "other_cpu_load": monitor.other_load(),
     }
-    if timers is not None:
-        result["profile"] = profile_report(timers, seconds)
+    if profile is not None:
+        profile["timers"]["bench_counting"] = counter.timer
+        result["profile"] = profile_report(profile, seconds, engine.config.max_num_seqs)
     return result
 
 
@@ -630,6 +691,12 @@ def format_table(r: dict) -> str:
                                       "(step minus model forward and logits)")))
         for name, share in p["share_of_step"].items():
             rows.append((f"  {name}", f"{share * 100:5.1f}%  ({p['seconds'][name]:.2f} s)"))
+        for label, d in (("decode-only steps", p["decode_only"]),
+                         (f"  at {p['decode_only_full_batch']['seqs']} seqs",
+                          p["decode_only_full_batch"])):
+            rows.append((label, (f"{d['steps']} steps (mean {d['mean_seqs']:.1f} seqs), host "
+                                 f"overhead {d['host_overhead_ms_per_step']:.3f} ms wall, "
+                                 f"{d['host_overhead_cpu_ms_per_step']:.3f} ms CPU per step")))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}".rstrip() for k, v in rows)
 

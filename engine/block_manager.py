@@ -58,8 +58,8 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def num_new_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
-        covered = len(seq.block_table)
-        return max(0, self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens) - covered)
+        needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        return max(0, needed - len(seq.block_table))
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.num_new_blocks(seq, num_new_tokens) <= self.num_free_blocks
@@ -111,8 +111,17 @@ class BlockManager:
         self.append_slots(seq, num_new_tokens)
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
-        for _ in range(self.num_new_blocks(seq, num_new_tokens)):
+        self.append_blocks(seq, self.num_new_blocks(seq, num_new_tokens))
+
+    def append_blocks(self, seq: Sequence, count: int) -> None:
+        for _ in range(count):
             seq.block_table.append(self._pop_free_block())
+
+    def fills_a_block(self, num_computed_before: int, num_new_tokens: int) -> bool:
+        """Whether a chunk completes a block, i.e. commit_full_blocks has anything to do (the
+        scheduler asks first: a decode step completes a block only every block_size tokens)."""
+        return self.enable_prefix_caching and \
+            num_computed_before % self.block_size + num_new_tokens >= self.block_size
 
     def commit_full_blocks(self, seq: Sequence, num_computed_before: int,
                            num_computed_after: int | None = None) -> None:

@@ -18,7 +18,7 @@ from engine.config import (
     resolve_kv_dtype,
     resolve_kv_rotation,
 )
-from engine.detokenizer import decode_delta, decode_rest
+from engine.detokenizer import Decoder, decode_delta, decode_rest
 from engine.kv_cache import KVPool, kv_bytes_per_token, num_blocks_for_budget
 from engine.loader import LoadedModel, load_model
 from engine.model import PagedLlama
@@ -49,6 +49,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.loaded = loaded or load_model(config.model, self.dtype)
         self.tokenizer = self.loaded.tokenizer
+        self._decode = Decoder(self.tokenizer)
         hf = self.loaded.hf_config
         self.max_model_len = config.max_model_len or hf.max_position_embeddings
         self.weights = resolve_weights(config.weights, self.device, self.loaded.state_dict)
@@ -220,8 +221,7 @@ class LLMEngine:
         logits = self.runner.run(batch)
         sampling = self._advance(batch)
         if sampling:
-            tokens = sample(logits, sampling)
-            deltas += [self._append_token(seq, t) for seq, t in zip(sampling, tokens)]
+            deltas += self._append_tokens(sampling, sample(logits, sampling))
         self.num_steps += 1
         self.last_batch = batch
         return deltas
@@ -233,21 +233,29 @@ class LLMEngine:
     def _advance(self, batch: list[ScheduledSeq]) -> list[Sequence]:
         """Mark the step's tokens computed; return the sequences that now sample."""
         sampling = []
+        prompt_tokens = 0
         for item in batch:
             seq = item.seq
             seq.num_computed_tokens += item.num_tokens
-            if seq.num_output_tokens == 0:
-                self.num_prompt_tokens += item.num_tokens
-            if seq.num_computed_tokens == seq.num_tokens:
+            num_tokens = len(seq.token_ids)
+            if num_tokens == len(seq.prompt_token_ids):  # no output yet: prompt work
+                prompt_tokens += item.num_tokens
+            if seq.num_computed_tokens == num_tokens:
                 sampling.append(seq)
+        self.num_prompt_tokens += prompt_tokens
         return sampling
 
-    def _append_token(self, seq: Sequence, token: int) -> TokenDelta:
+    def _append_tokens(self, seqs: list[Sequence], tokens: list[int]) -> list[TokenDelta]:
+        """Append each sequence's sampled token, detokenize it and check for a stop."""
+        self.num_generated_tokens += len(tokens)
+        now = time.monotonic()
+        return [self._append_token(seq, token, now) for seq, token in zip(seqs, tokens)]
+
+    def _append_token(self, seq: Sequence, token: int, now: float) -> TokenDelta:
         seq.token_ids.append(token)
-        self.num_generated_tokens += 1
         if seq.first_token_time is None:
-            seq.first_token_time = time.monotonic()
-        text = decode_delta(self.tokenizer, seq)
+            seq.first_token_time = now
+        text = decode_delta(self._decode, seq)
         reason = self._stop_reason(seq, token)
         if reason is not None:
             text += decode_rest(self.tokenizer, seq, seq.text + text)
@@ -263,7 +271,9 @@ class LLMEngine:
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.loaded.eos_token_ids):
             return "stop"
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        num_tokens = len(seq.token_ids)
+        if num_tokens - len(seq.prompt_token_ids) >= p.max_tokens \
+                or num_tokens >= self.max_model_len:
             return "length"
         return None
 

@@ -8,11 +8,20 @@ from engine.sequence import Sequence
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """logits: [S, vocab] float32, one row per sequence in seqs."""
-    tokens = logits.argmax(dim=-1).tolist()
+    tokens = greedy_tokens(logits)
     for i, seq in enumerate(seqs):
         if not seq.params.greedy:
             tokens[i] = sample_row(logits[i], seq)
     return tokens
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """Argmax of every row (the first index on ties, like torch.argmax). On CPU through
+    numpy: torch's CPU argmax over the last dim measured ~7x slower at 64 x 49152 and ~10x
+    at a tiny vocabulary, which made it a large part of a step's host time."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
+        return logits.detach().numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
 
 
 def sample_row(logits: torch.Tensor, seq: Sequence) -> int:

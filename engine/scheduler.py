@@ -14,7 +14,7 @@ from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int
@@ -48,16 +48,24 @@ class Scheduler:
         preemptions_before = self.num_preemptions
         scheduled: list[ScheduledSeq] = []
         budget = self.max_num_batched_tokens
+        bm = self.block_manager
+        running = SequenceStatus.RUNNING
+        # Runs once per running sequence per step: plain attribute reads instead of the
+        # Sequence properties, and the block manager only when a block is needed or filled.
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status != SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue  # preempted a moment ago to make room for an earlier request
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
-            if not self._make_room(seq, num_tokens):
-                continue
-            self.block_manager.append_slots(seq, num_tokens)
-            self._commit(seq, num_tokens)
+            start = seq.num_computed_tokens
+            num_tokens = min(len(seq.token_ids) - start, budget)
+            need = bm.num_new_blocks(seq, num_tokens)
+            if need:
+                if not self._make_room(seq, need):
+                    continue
+                bm.append_blocks(seq, need)
+            if bm.fills_a_block(start, num_tokens):
+                bm.commit_full_blocks(seq, start, start + num_tokens)
             scheduled.append(ScheduledSeq(seq, num_tokens))
             budget -= num_tokens
         # Admitting new work right after a preemption would only thrash the pool.
@@ -65,9 +73,10 @@ class Scheduler:
             self._schedule_waiting(scheduled, budget)
         return scheduled
 
-    def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
-        """Preempt later arrivals until seq's next chunk fits; False if seq itself had to go."""
-        while not self.block_manager.can_append(seq, num_tokens):
+    def _make_room(self, seq: Sequence, need: int) -> bool:
+        """Preempt later arrivals until seq's `need` new blocks are free; False if seq itself
+        had to go."""
+        while need > self.block_manager.num_free_blocks:
             victim = self.running[-1]
             if victim is seq and len(self.running) == 1:
                 self.finish_for_capacity(seq)
