@@ -117,12 +117,6 @@ class BlockManager:
         for _ in range(count):
             seq.block_table.append(self._pop_free_block())
 
-    def fills_a_block(self, num_computed_before: int, num_new_tokens: int) -> bool:
-        """Whether a chunk completes a block, i.e. commit_full_blocks has anything to do (the
-        scheduler asks first: a decode step completes a block only every block_size tokens)."""
-        return self.enable_prefix_caching and \
-            num_computed_before % self.block_size + num_new_tokens >= self.block_size
-
     def commit_full_blocks(self, seq: Sequence, num_computed_before: int,
                            num_computed_after: int | None = None) -> None:
         """Register the content hash of blocks that are full once the step has run.

@@ -49,9 +49,11 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         budget = self.max_num_batched_tokens
         bm = self.block_manager
+        bs, caching = bm.block_size, bm.enable_prefix_caching
         running = SequenceStatus.RUNNING
-        # Runs once per running sequence per step: plain attribute reads instead of the
-        # Sequence properties, and the block manager only when a block is needed or filled.
+        # Runs once per running sequence per step, so the block arithmetic is inline and the
+        # block manager is called only when the chunk needs a block or completes one (for a
+        # decode: once every block_size steps).
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -59,13 +61,14 @@ class Scheduler:
                 continue  # preempted a moment ago to make room for an earlier request
             start = seq.num_computed_tokens
             num_tokens = min(len(seq.token_ids) - start, budget)
-            need = bm.num_new_blocks(seq, num_tokens)
-            if need:
+            end = start + num_tokens
+            need = -(-end // bs) - len(seq.block_table)  # = bm.num_new_blocks when > 0
+            if need > 0:
                 if not self._make_room(seq, need):
                     continue
                 bm.append_blocks(seq, need)
-            if bm.fills_a_block(start, num_tokens):
-                bm.commit_full_blocks(seq, start, start + num_tokens)
+            if caching and end // bs > start // bs:
+                bm.commit_full_blocks(seq, start, end)
             scheduled.append(ScheduledSeq(seq, num_tokens))
             budget -= num_tokens
         # Admitting new work right after a preemption would only thrash the pool.

@@ -36,6 +36,13 @@ def test_concurrency_is_the_engines_batch_and_hfs(tiny, capsys):
     host = sum(v for k, v in p["seconds"].items() if k != "model_forward")
     assert host == pytest.approx(p["host_overhead_ms_per_step"] * p["num_steps"] / 1e3,
                                  rel=1e-6)
+    # Decode-only steps (every sequence one token) are a subset, the full batches a subset
+    # of those; all prompts fit in the first steps' budget, so the rest are decodes.
+    d, full = p["decode_only"], p["decode_only_full_batch"]
+    assert 0 < d["steps"] < p["num_steps"] and 0 <= full["steps"] <= d["steps"]
+    assert 1 <= d["mean_seqs"] <= 4 and full["seqs"] == 4
+    assert full["steps"] == 0 or full["mean_seqs"] == 4
+    assert d["host_overhead_cpu_ms_per_step"] > 0
 
 
 def test_batch_size_overrides_hf_alone(tiny, capsys):
