@@ -49,7 +49,8 @@ class Decoder:
         return text
 
 
-def decode_rest(tokenizer, seq: Sequence, emitted: str) -> str:
-    """At the end: whatever the window still holds back (e.g. a final incomplete character)."""
-    full = tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+def decode_rest(decode: Callable[[list[int]], str], seq: Sequence, emitted: str) -> str:
+    """At the end: whatever the window still holds back (e.g. a final incomplete character).
+    decode: as for decode_delta."""
+    full = decode(seq.output_token_ids)
     return full[len(emitted):] if full.startswith(emitted) else ""

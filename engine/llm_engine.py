@@ -274,7 +274,7 @@ class LLMEngine:
         """The delta's text once the stop rules apply: the detokenizer's held-back rest at
         the end, and a cut before a stop string (which also ends the request)."""
         if reason is not None:
-            text += decode_rest(self.tokenizer, seq, seq.text + text)
+            text += decode_rest(self._decode, seq, seq.text + text)
         if seq.params.stop:
             text, hit = self._cut_at_stop_string(seq, text)
             reason = "stop" if hit else reason
