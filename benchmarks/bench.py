@@ -334,11 +334,13 @@ def install_profile(engine) -> dict:
     """Time the step and its parts by wrapping instance attributes (no engine edits)."""
     dev = engine.device
     timers = {name: Timer() for name in
-              ("step", "schedule", "runner", "prepare", "forward", "logits", "append")}
+              ("step", "schedule", "runner", "prepare", "grouping", "forward", "logits",
+               "append")}
     engine.step = timers["step"].wrap(engine.step, dev)
     engine.scheduler.schedule = timers["schedule"].wrap(engine.scheduler.schedule, dev)
     engine.runner.run = timers["runner"].wrap(engine.runner.run, dev)
     engine.runner.prepare = timers["prepare"].wrap(engine.runner.prepare, dev)
+    engine.runner.decode_groups = timers["grouping"].wrap(engine.runner.decode_groups, "cpu")
     engine.model.forward = timers["forward"].wrap(engine.model.forward, dev)
     engine.model.compute_logits = timers["logits"].wrap(engine.model.compute_logits, dev)
     engine._append_tokens = timers["append"].wrap(engine._append_tokens, "cpu")
@@ -406,7 +408,9 @@ def profile_report(profile: dict, total_seconds: float, max_num_seqs: int) -> di
     rest = max(0.0, step - t["runner"] - t["schedule"] - t["append"])
     parts = {
         "model_forward": model,
-        "runner_prepare_inputs": prepare + runner_other,
+        "runner_prepare_inputs": prepare - t["grouping"] + runner_other,
+        # kernels.attention_ref.group_decode_rows, called by the runner for the CPU attention.
+        "attention_decode_grouping": t["grouping"],
         "scheduler": t["schedule"],
         "append_detokenize_stop": t["append"],
         "sampler_and_other": rest,

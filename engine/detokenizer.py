@@ -35,7 +35,8 @@ class Decoder:
         core = getattr(tokenizer, "_tokenizer", None)
         if core is not None and hasattr(core, "decode") \
                 and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
-            self._decode = lambda ids: core.decode(ids, skip_special_tokens=True)
+            # skip_special_tokens passed by position: the Rust binding parses keywords slower.
+            self._decode = lambda ids: core.decode(ids, True)
         else:
             self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
         self._single: dict[int, str] = {}
