@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.weight_formats import make_linear
+from engine.lm_head import RescoredHead
+from engine.weight_formats import int4_supports, make_linear
 from kernels.attention_ref import AttentionMetadata
 from kernels.ops import paged_attention, write_kv
 
@@ -81,6 +82,17 @@ def rope_tables(hf_config, num_positions: int, dtype) -> tuple[torch.Tensor, tor
     return cos[0].to(dtype), sin[0].to(dtype)
 
 
+def make_head(head: torch.Tensor | None, embed: torch.Tensor, weights: str):
+    """The LM head. Tied to the embedding (SmolLM: `head` is None) under int4 weights: int4
+    logits rescored from the embedding's dense rows (engine.lm_head), which the lookup keeps
+    anyway. An untied head in int4 is int8 instead (more exact than int4, and a dense copy
+    for rescoring would cost more bytes than it saves time)."""
+    if head is None and weights == "int4" and int4_supports(embed):
+        return RescoredHead(embed)
+    return make_linear(embed if head is None else head, None,
+                       "int8" if weights == "int4" else weights)
+
+
 class PagedLlama:
     def __init__(self, hf_config, state_dict: dict[str, torch.Tensor], device: str,
                  dtype: torch.dtype, max_model_len: int, weights: str = "dense") -> None:
@@ -93,9 +105,7 @@ class PagedLlama:
         sd = {k.removeprefix("model."): v.to(device=device, dtype=dtype)
               for k, v in state_dict.items() if v.is_floating_point()}
         self.embed = sd["embed_tokens.weight"]
-        # Tied embeddings (SmolLM) share the table; a quantized head is a copy.
-        self.lm_head = make_linear(sd.get("lm_head.weight", self.embed), None,
-                                   "int8" if weights == "int4" else weights)
+        self.lm_head = make_head(sd.get("lm_head.weight"), self.embed, weights)
         self.final_norm = sd["norm.weight"]
         self.layers = [self._layer(sd, i, weights) for i in range(self.shape.num_layers)]
         cos, sin = rope_tables(hf_config, max_model_len, dtype)
