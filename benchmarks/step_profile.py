@@ -1,13 +1,13 @@
-"""Where a decode step goes: attention (KV write, gather, scores, softmax, weighted sum), the
-matmuls, and the rest, for N sequences decoding at a given context length.
+"""Where a decode step goes: attention (the paged gather, scores, softmax and weighted sum),
+the KV write, the matmuls, and the rest, for N sequences decoding at a given context length.
 
     python -m benchmarks.step_profile [--dtype bfloat16] [--weights dense] [--seqs 16]
                                       [--context 160] [--steps 20] [--threads N] [--json]
 
 The N sequences are prefilled with --context random tokens each (no prefix sharing), then
 --steps decode steps of the engine are timed (LLM engine.step, greedy). Inside the step the
-model's attention calls (engine.model.write_kv and paged_attention: the pool write, the
-paged gather, QK^T, softmax and PV) and its matmul calls (each layer's qkv, o, gate_up and
+model's attention calls (engine.model.paged_attention: the paged gather, QK^T, softmax
+and PV), its KV writes (engine.model.write_kv, quantizing for 1-byte KV) and its matmul calls (each layer's qkv, o, gate_up and
 down, and the LM head) are timed with perf_counter wrappers, so the shares add up against
 the step's wall time on one thread of work. Shares, not absolute times, are what to compare
 on a shared machine.
@@ -57,9 +57,9 @@ def instrument(model) -> dict[str, Clock]:
     names engine.model looks up, so nothing in the engine changes)."""
     import engine.model as model_module
 
-    clocks = {"attention": Clock(), "matmul": Clock()}
+    clocks = {"attention": Clock(), "kv_write": Clock(), "matmul": Clock()}
     model_module.paged_attention = clocks["attention"].wrap(model_module.paged_attention)
-    model_module.write_kv = clocks["attention"].wrap(model_module.write_kv)
+    model_module.write_kv = clocks["kv_write"].wrap(model_module.write_kv)
     for layer in model.layers:
         for name in ("qkv", "o_proj", "gate_up", "down"):
             setattr(layer, name, clocks["matmul"].wrap(getattr(layer, name)))
@@ -100,15 +100,17 @@ def run(args) -> dict:
         step = (time.perf_counter() - t0) / args.steps
     finally:  # the module-level wrappers must not outlive this run
         model_module.paged_attention, model_module.write_kv = kernels
-    attention = clocks["attention"].seconds / args.steps
-    matmul = clocks["matmul"].seconds / args.steps
+    attention, kv_write, matmul = (clocks[k].seconds / args.steps
+                                   for k in ("attention", "kv_write", "matmul"))
     return {
         "dtype": args.dtype, "weights": args.weights, "kv_dtype": str(engine.pool.dtype).removeprefix("torch."),
         "seqs": args.seqs, "context": args.context, "threads": torch.get_num_threads(),
         "step_ms": step * 1e3,
-        "attention_ms": attention * 1e3, "matmul_ms": matmul * 1e3,
-        "attention_share": attention / step, "matmul_share": matmul / step,
-        "other_share": 1 - (attention + matmul) / step,
+        "attention_ms": attention * 1e3, "kv_write_ms": kv_write * 1e3,
+        "matmul_ms": matmul * 1e3,
+        "attention_share": attention / step, "kv_write_share": kv_write / step,
+        "matmul_share": matmul / step,
+        "other_share": 1 - (attention + kv_write + matmul) / step,
     }
 
 
@@ -121,10 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{r['seqs']} sequences decoding at ~{r['context']} tokens of context, "
           f"{r['dtype']} {r['weights']} weights, {r['kv_dtype']} KV, {r['threads']} threads")
     print(f"step        {r['step_ms']:8.2f} ms")
-    for part in ("attention", "matmul"):
+    for part in ("attention", "kv_write", "matmul"):
         print(f"{part:11} {r[part + '_ms']:8.2f} ms  {r[part + '_share']:6.1%}")
-    print(f"other       {r['step_ms'] - r['attention_ms'] - r['matmul_ms']:8.2f} ms  "
-          f"{r['other_share']:6.1%}")
+    other = r["step_ms"] - r["attention_ms"] - r["kv_write_ms"] - r["matmul_ms"]
+    print(f"other       {other:8.2f} ms  {r['other_share']:6.1%}")
     return 0
 
 

@@ -70,23 +70,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               rotate_half: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin, as Hugging Face computes it. rotate_half (the halves
-    swapped, the new first half negated) is a matmul with a signed permutation matrix: every
-    output is one input times +-1 plus zeros, so it is exact, and one matmul costs less than
-    the two slices, negation and concatenation."""
-    return x * cos + (x @ rotate_half) * sin
-
-
-def rotate_half_matrix(head_dim: int, dtype) -> torch.Tensor:
-    """R [head_dim, head_dim] with x @ R == cat(-x[half:], x[:half])."""
-    half = head_dim // 2
-    r = torch.zeros(head_dim, head_dim, dtype=dtype)
-    idx = torch.arange(half)
-    r[idx + half, idx] = -1
-    r[idx, idx + half] = 1
-    return r
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, as Hugging Face computes it: rolling by half a head and
+    a sin whose first half is negated gives rotate_half(x) * sin exactly, in one op fewer.
+    (A signed permutation matmul is exact too, but a bfloat16 matmul is slow on a CPU without
+    bfloat16 units.)"""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def rope_tables(hf_config, num_positions: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,8 +117,9 @@ class PagedLlama:
         self.final_norm = sd["norm.weight"]
         self.layers = [self._layer(sd, i, weights) for i in range(self.shape.num_layers)]
         cos, sin = rope_tables(hf_config, max_model_len, dtype)
-        self.cos, self.sin = cos.to(device), sin.to(device)
-        self.rotate_half = rotate_half_matrix(self.shape.head_dim, dtype).to(device)
+        half = self.shape.head_dim // 2
+        signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        self.cos, self.sin = cos.to(device), signed_sin.to(device)
 
     @staticmethod
     def _layer(sd: dict, i: int, weights: str) -> LayerWeights:
@@ -151,8 +141,7 @@ class PagedLlama:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the model keeps (weights in their stored form, norms, rope tables)."""
-        out = [self.embed, *self.lm_head.tensors(), self.final_norm, self.cos, self.sin,
-               self.rotate_half]
+        out = [self.embed, *self.lm_head.tensors(), self.final_norm, self.cos, self.sin]
         for layer in self.layers:
             out += [layer.input_norm, layer.post_norm]
             for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
@@ -178,7 +167,7 @@ class PagedLlama:
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         # q and k turn together: one RoPE over their heads side by side.
         qk = apply_rope(qkv[:, :q_size + kv_size].view(-1, s.num_heads + s.num_kv_heads,
-                                                        s.head_dim), cos, sin, self.rotate_half)
+                                                        s.head_dim), cos, sin)
         q, k = qk[:, :s.num_heads], qk[:, s.num_heads:]
         v = qkv[:, q_size + kv_size:].view(-1, s.num_kv_heads, s.head_dim)
         k_cache, v_cache, k_scale, v_scale = kv

@@ -23,6 +23,7 @@ def test_shares_of_a_decode_step(tiny, capsys, dtype):
     r = json.loads(capsys.readouterr().out)
     assert r["dtype"] == dtype and r["seqs"] == 3
     # Both wrapped parts ran in every step and fit inside it.
-    assert r["attention_ms"] > 0 and r["matmul_ms"] > 0
-    assert r["attention_ms"] + r["matmul_ms"] < r["step_ms"]
-    assert r["attention_share"] + r["matmul_share"] + r["other_share"] == pytest.approx(1)
+    assert r["attention_ms"] > 0 and r["kv_write_ms"] > 0 and r["matmul_ms"] > 0
+    assert r["attention_ms"] + r["kv_write_ms"] + r["matmul_ms"] < r["step_ms"]
+    shares = ("attention_share", "kv_write_share", "matmul_share", "other_share")
+    assert sum(r[k] for k in shares) == pytest.approx(1)
