@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine import fused_decode
 from engine.lm_head import RescoredHead
 from engine.weight_formats import int4_supports, make_linear
 from kernels.attention_ref import AttentionMetadata
@@ -120,6 +121,8 @@ class PagedLlama:
         half = self.shape.head_dim // 2
         signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
         self.cos, self.sin = cos.to(device), signed_sin.to(device)
+        # Decode steps of a 4-bit float32 model on the CPU fuse the glue between matmuls.
+        self.fused_decode = fused_decode.supports_model(self)
 
     @staticmethod
     def _layer(sd: dict, i: int, weights: str) -> LayerWeights:
@@ -153,6 +156,9 @@ class PagedLlama:
                 pool) -> torch.Tensor:
         """Hidden states [T, hidden] of the flattened batch, after the final norm."""
         eps = self.shape.rms_norm_eps
+        if self.fused_decode and fused_decode.supports_step(meta, pool):
+            h = fused_decode.run_layers(self, input_ids, positions, meta, pool)
+            return rms_norm(h, self.final_norm, eps)
         h = F.embedding(input_ids, self.embed)
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
         for i, layer in enumerate(self.layers):

@@ -1,95 +1,28 @@
-"""The CPU decode attention kernel (kernels/cpu_decode_attention.c): built on first use with
-the system C compiler, loaded with ctypes, called once per layer for every decode row.
+"""The CPU decode attention kernel (kernels/cpu_decode_attention.c, built by kernels.native),
+called once per layer for every decode row of the step.
 
 Why native code: the torch path gathers each sequence's blocks into a padded copy, converts
 it to float32 and runs SDPA over it, three passes and a dozen ops per layer; the kernel reads
-every cached K and V row once, through the block table, with no copies and no padding. It is
-plain C (no torch headers), so it builds in about a second with `cc -O3 -march=native`, into
-a cache folder keyed by the source, the compiler and the flags. Where no compiler works,
-`available()` is False and the engine keeps the torch reference (kernels.ops decides);
-`KVSCOPE_CPU_KERNELS=off` forces that. Prefill chunks always take the reference path.
+every cached K and V row once, through the block table, with no copies and no padding.
+Prefill chunks take the torch reference.
 """
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import os
-import subprocess
-import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import torch
 
+from kernels import native
 from kernels.attention_ref import AttentionMetadata, paged_attention_ref
 
-SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
-ENV = "KVSCOPE_CPU_KERNELS"
-FLAG_SETS = (["-O3", "-march=native", "-fopenmp-simd"], ["-O3", "-fopenmp-simd"], ["-O2"])
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3,
          torch.float8_e4m3fn: 4}
 # Below this many decode rows a second thread costs more to hand work to than it saves.
 SPLIT_MIN_ROWS = 4
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kvscope" / "kernels"
-
-
-def enabled() -> bool:
-    return os.environ.get(ENV, "").strip().lower() not in ("off", "0", "false", "no")
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    """Build (once per source/compiler/flags) and load the kernel; None if that fails."""
-    compiler = os.environ.get("CC", "cc")
-    source = SOURCE.read_bytes()
-    for flags in FLAG_SETS:
-        key = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
-        target = cache_dir() / f"cpu_decode_attention-{key}.so"
-        if not target.exists() and not _build(compiler, flags, target):
-            continue
-        try:
-            lib = ctypes.CDLL(str(target))
-        except OSError:
-            continue
-        lib.kvscope_init_tables()
-        fn = lib.kvscope_paged_decode
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                       ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 4 + [
-                       ctypes.c_int, ctypes.c_float]
-        return lib
-    return None
-
-
-def _build(compiler: str, flags: list[str], target: Path) -> bool:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: parallel test processes never load half a file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    cmd = [compiler, *flags, "-shared", "-fPIC", str(SOURCE), "-o", tmp, "-lm"]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        print(f"kvscope: building the CPU attention kernel failed ({e})", file=sys.stderr)
-        os.unlink(tmp)
-        return False
-    if done.returncode != 0:
-        print(f"kvscope: {' '.join(cmd)} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
-        os.unlink(tmp)
-        return False
-    os.replace(tmp, target)
-    return True
-
-
-def available() -> bool:
-    return enabled() and _library() is not None
+ENV = native.ENV
+enabled = native.enabled
+available = native.available
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -141,7 +74,7 @@ def _prefill_only(meta: AttentionMetadata) -> AttentionMetadata:
 
 
 def _run(out, q, rows, tables, lens, k_cache, v_cache, k_scale, v_scale, scale) -> None:
-    lib = _library()
+    lib = native.library()
     _, block_size, kv_heads, head_dim = k_cache.shape
     ptr = lambda t: None if t is None else t.data_ptr()
     def call(first: int, last: int) -> int:
