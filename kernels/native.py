@@ -34,9 +34,11 @@ SIGNATURES = {
 }
 
 
-def cache_dir() -> Path:
+def cache_dirs() -> list[Path]:
+    """Where a built library may live: the user's cache, else a folder in the temp dir."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kvscope" / "kernels"
+    return [Path(base) / "kvscope" / "kernels",
+            Path(tempfile.gettempdir()) / f"kvscope-kernels-{os.getuid()}"]
 
 
 def enabled() -> bool:
@@ -54,12 +56,8 @@ def library() -> ctypes.CDLL | None:
     source = b"".join(p.read_bytes() for p in SOURCES)
     for flags in FLAG_SETS:
         key = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
-        target = cache_dir() / f"kvscope-cpu-{key}.so"
-        if not target.exists() and not _build(compiler, flags, target):
-            continue
-        try:
-            lib = ctypes.CDLL(str(target))
-        except OSError:
+        lib = _load(compiler, flags, f"kvscope-cpu-{key}.so")
+        if lib is None:
             continue
         lib.kvscope_init_tables()
         for name, args in SIGNATURES.items():
@@ -70,9 +68,23 @@ def library() -> ctypes.CDLL | None:
     return None
 
 
+def _load(compiler: str, flags: list[str], name: str) -> ctypes.CDLL | None:
+    for folder in cache_dirs():
+        target = folder / name
+        if target.exists() or _build(compiler, flags, target):
+            try:
+                return ctypes.CDLL(str(target))
+            except OSError:
+                continue
+    return None
+
+
 def _build(compiler: str, flags: list[str], target: Path) -> bool:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    except OSError:  # an unwritable cache: the caller tries the next folder
+        return False
     os.close(fd)
     cmd = [compiler, *flags, "-shared", "-fPIC", *map(str, SOURCES), "-o", tmp, "-lm"]
     try:

@@ -67,3 +67,20 @@ def test_two_threads_split_the_batch_and_agree():
         torch.set_num_threads(threads)
     want = reference(query, kc, vc, meta, tables, 0.125)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_without_a_compiler_the_engine_keeps_the_torch_kernels(monkeypatch, tmp_path, capfd):
+    from kernels import native, ops
+
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(ops.ENV, raising=False)
+    native.library.cache_clear()
+    try:
+        assert native.library() is None and not native.available()
+        assert ops.backend("cpu") == "ref"
+        assert "building the CPU kernels failed" in capfd.readouterr().err
+    finally:
+        monkeypatch.undo()
+        native.library.cache_clear()
+    assert native.available()
