@@ -62,7 +62,7 @@ def run_layers(model, input_ids: torch.Tensor, positions: torch.Tensor, meta, po
                                   x.data_ptr(), rows, hidden)
     for i, layer in enumerate(layers):
         qkv = int4(x, layer.qkv)
-        k_cache, v_cache, _, _ = pool.layer(i)
+        k_cache, v_cache = pool.caches[i]
         lib.kvscope_rope_write(qkv.data_ptr(), rows, positions.data_ptr(), model.cos.data_ptr(),
                                model.sin.data_ptr(), q.data_ptr(), k_cache.data_ptr(),
                                v_cache.data_ptr(), slots.data_ptr(), s.num_heads,
