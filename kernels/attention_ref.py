@@ -86,36 +86,83 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                         k_scale: torch.Tensor | None = None,
                         v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """query: [T, heads, head_dim] -> [T, heads, head_dim]; scales for int8/fp8 pools."""
-    out = torch.empty_like(query)
     pool = (k_cache, v_cache, k_scale, v_scale)
-    for rows, lens, seqs in meta.decode_groups:
-        _decode_attention(query, pool, meta.block_tables[seqs], rows, lens, scale, out)
+    plans = decode_plans(meta, k_cache.shape[1], query.device)
+    if len(plans) == 1 and not meta.prefill_seqs and plans[0].rows == slice(0, len(query)):
+        # Every row decodes in one group, in order (a single chat, a steady batch): the
+        # attention output is the result, with no scatter into a fresh tensor.
+        return _decode_attention(query, pool, plans[0], scale).to(query.dtype)
+    out = torch.empty_like(query)
+    for plan in plans:
+        out[plan.rows] = _decode_attention(query, pool, plan, scale).to(out.dtype)
     for i in meta.prefill_seqs:
         _prefill_attention(query, pool, meta, i, scale, out)
     return out
 
 
-def _decode_attention(query, pool, tables, starts, lens, scale, out) -> None:
+@dataclass
+class DecodePlan:
+    """What every layer of a step needs for one decode group, worked out once per step: the
+    layers differ only in the pool they read."""
+    rows: slice | torch.Tensor   # the group's query rows (a slice when they are consecutive)
+    flat_blocks: torch.Tensor    # [b * max_blocks] the blocks to gather, row by row
+    num_seqs: int
+    span: int                    # max_blocks * block_size slots gathered per sequence
+    # [b, 1, 1, span] float: 0 for slots within each length, -inf past it (additive, so SDPA
+    # does not convert a boolean mask in every layer); None if every slot counts.
+    mask: torch.Tensor | None
+
+
+def decode_plans(meta: AttentionMetadata, block_size: int, device) -> list[DecodePlan]:
+    """The step's decode plans, built on the first layer's call and kept on `meta`."""
+    key = ("_decode_plans", block_size)
+    plans = meta.__dict__.get(key)
+    if plans is None:
+        plans = [_plan(meta.block_tables, g, block_size, device) for g in meta.decode_groups]
+        meta.__dict__[key] = plans
+    return plans
+
+
+def _plan(block_tables, group, block_size, device) -> DecodePlan:
+    rows, lens, seqs = group
+    rows_l, lens_l = rows.tolist(), lens.tolist()
+    max_blocks = -(-max(lens_l) // block_size)
+    span = max_blocks * block_size
+    flat = block_tables.index_select(0, seqs.to(block_tables.device))[:, :max_blocks]
+    mask = None
+    if min(lens_l) < span:
+        past = torch.arange(span, device=device) >= lens.to(device)[:, None]
+        mask = torch.zeros(past.shape, device=device).masked_fill_(past, float("-inf"))
+        mask = mask[:, None, None, :]
+    consecutive = rows_l == list(range(rows_l[0], rows_l[0] + len(rows_l)))
+    return DecodePlan(
+        rows=slice(rows_l[0], rows_l[0] + len(rows_l)) if consecutive else rows.to(device),
+        flat_blocks=flat.reshape(-1).contiguous(), num_seqs=len(rows_l), span=span, mask=mask)
+
+
+def _decode_attention(query, pool, plan: DecodePlan, scale) -> torch.Tensor:
     """A group of single-query sequences at once: one gather of their blocks, then SDPA in
     float32 (CPU SDPA in bfloat16 measured 2-3x slower at one query row), masking the slots
-    past each sequence's length."""
+    past each sequence's length. The query heads that share a KV head become that head's
+    query rows, so SDPA needs no GQA expansion. Returns [b, heads, head_dim] float32."""
     k_cache, v_cache, k_scale, v_scale = pool
-    block_size, kv_heads, head_dim = k_cache.shape[1:]
-    max_blocks = -(-int(lens.max()) // block_size)
-    tables = tables[:, :max_blocks]
-    b, span = tables.shape[0], max_blocks * block_size
-    k = gather_blocks(k_cache, tables, k_scale, torch.float32)
-    v = gather_blocks(v_cache, tables, v_scale, torch.float32)
-    k = k.view(b, span, kv_heads, head_dim).transpose(1, 2)
-    v = v.view(b, span, kv_heads, head_dim).transpose(1, 2)
-    dev = query.device
-    starts = starts.to(dev)
-    q = query[starts].float().unsqueeze(2)                           # [b, heads, 1, d]
-    mask = None
-    if int(lens.min()) < span:
-        mask = (torch.arange(span, device=dev) < lens.to(dev)[:, None])[:, None, None, :]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    out[starts] = o.squeeze(2).to(out.dtype)
+    _, _, kv_heads, head_dim = k_cache.shape
+    b, heads = plan.num_seqs, query.shape[1]
+    k = _gather(k_cache, plan.flat_blocks, k_scale).view(b, plan.span, kv_heads, head_dim)
+    v = _gather(v_cache, plan.flat_blocks, v_scale).view(b, plan.span, kv_heads, head_dim)
+    q = query[plan.rows].float().view(b, kv_heads, heads // kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=plan.mask, scale=scale)
+    return o.view(b, heads, head_dim)
+
+
+def _gather(cache: torch.Tensor, flat: torch.Tensor, scales: torch.Tensor | None
+            ) -> torch.Tensor:
+    """cache[flat] as float32 [n, block_size, kv_heads, head_dim], dequantized if needed."""
+    if scales is None:
+        return cache.index_select(0, flat).float()
+    codes = cache.view(torch.uint8).index_select(0, flat).view(cache.dtype)
+    return dequantize(codes, scales.index_select(0, flat))
 
 
 def _prefill_attention(query, pool, meta, i, scale, out) -> None:

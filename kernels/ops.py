@@ -1,9 +1,10 @@
-"""The kernels the engine calls: Triton on CUDA tensors, the torch references elsewhere.
+"""The kernels the engine calls: Triton on CUDA tensors; on the CPU the native decode
+attention (kernels.cpu_attention, when it builds) with the torch references for the rest.
 
-`KVSCOPE_KERNELS` overrides the choice: `ref` (torch everywhere) or `triton` (Triton
-everywhere; on CPU tensors that works only under TRITON_INTERPRET=1, the slow interpreter the
-tests use). Unset, empty or `auto`: by device. Triton is imported on first use, so a CPU-only
-install never needs a GPU toolchain to import this module.
+`KVSCOPE_KERNELS` overrides the choice: `ref` (the torch references everywhere, no native
+code) or `triton` (Triton everywhere; on CPU tensors that works only under TRITON_INTERPRET=1,
+the slow interpreter the tests use). Unset, empty or `auto`: by device. Triton is imported on
+first use, so a CPU-only install never needs a GPU toolchain to import this module.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 
 import torch
 
+from kernels import cpu_attention
 from kernels.attention_ref import AttentionMetadata, paged_attention_ref
 from kernels.kv_write_ref import write_kv_ref
 from kernels.rotation import rotate, unrotate
@@ -24,7 +26,9 @@ def backend(device: torch.device | str) -> str:
     device = torch.device(device)
     forced = os.environ.get(ENV, "").strip().lower()
     if forced in ("", "auto"):
-        return "triton" if device.type == "cuda" else "ref"
+        if device.type == "cuda":
+            return "triton"
+        return "cpu" if device.type == "cpu" and cpu_attention.available() else "ref"
     if forced not in BACKENDS:
         raise ValueError(f"{ENV}={forced!r} is invalid: expected one of auto, ref, triton")
     if forced == "triton" and device.type != "cuda" \
@@ -65,8 +69,11 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
         return paged_attention_triton(query, k_cache, v_cache, meta, scale, k_scale, v_scale,
                                       rotation=rotation)
+    attend = paged_attention_ref
+    if backend(query.device) == "cpu" and cpu_attention.supports(query, k_cache):
+        attend = cpu_attention.paged_attention_cpu
     if rotation is None:
-        return paged_attention_ref(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
-    out = paged_attention_ref(rotate(query, rotation).to(query.dtype), k_cache, v_cache, meta,
-                              scale, k_scale, v_scale)
+        return attend(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
+    out = attend(rotate(query, rotation).to(query.dtype), k_cache, v_cache, meta, scale,
+                 k_scale, v_scale)
     return unrotate(out, rotation).to(query.dtype)

@@ -365,8 +365,11 @@ def test_attention_rejects_bad_shapes():
 # -- dispatch --------------------------------------------------------------------------------
 def test_ops_dispatch(monkeypatch):
     monkeypatch.delenv(ops.ENV, raising=False)
-    assert ops.backend("cpu") == "ref"
+    assert ops.backend("cpu") == "cpu"  # the native decode attention (it builds here)
     assert ops.backend("cuda") == "triton"
+    monkeypatch.setenv("KVSCOPE_CPU_KERNELS", "off")
+    assert ops.backend("cpu") == "ref"
+    monkeypatch.delenv("KVSCOPE_CPU_KERNELS")
     monkeypatch.setenv(ops.ENV, "ref")
     assert ops.backend("cuda") == "ref"
     monkeypatch.setenv(ops.ENV, "triton")
@@ -379,9 +382,9 @@ def test_ops_dispatch(monkeypatch):
         ops.backend("cpu")
 
 
-@pytest.mark.parametrize("backend", ["ref", "triton"])
+@pytest.mark.parametrize("backend", ["ref", "triton", "auto"])
 def test_ops_run_either_backend(monkeypatch, backend):
-    monkeypatch.setenv(ops.ENV, backend)
+    monkeypatch.setenv(ops.ENV, backend)  # auto on CPU tensors: the native decode kernel
     seed = case_seed("ops", backend)
     query, pool, meta = build(torch.int8, torch.float32, 4, 4, 2, 16, seed)
     clean = sanitized(pool)

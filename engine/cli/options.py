@@ -19,10 +19,11 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help='"default" (embedded SmolLM2-135M-Instruct), a checkpoint folder or a .gguf')
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--dtype", default="auto", choices=MODEL_DTYPES)
-    g.add_argument("--weights", default="dense", choices=WEIGHT_FORMATS,
-                   help="matmul weights: dense (default, equal to Hugging Face), or weight-only "
-                        "int4/int8 (CPU, about 2x faster, not token-exact); auto = int4 on CPU "
-                        "for a 4-bit checkpoint (the embedded Q4_1 GGUF), else dense")
+    g.add_argument("--weights", default="auto", choices=WEIGHT_FORMATS,
+                   help="matmul weights: auto (default) = int4 on CPU for a 4-bit checkpoint "
+                        "(the embedded Q4_1 GGUF: about 2x faster, greedy output close to but "
+                        "not always equal to Hugging Face's), else dense; dense = token-exact "
+                        "with Hugging Face; int4/int8 = weight-only, CPU")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES)
     g.add_argument("--kv-rotation", default="auto", choices=KV_ROTATIONS,

@@ -1,0 +1,134 @@
+"""Where a decode step goes: attention (the paged gather, scores, softmax and weighted sum),
+the KV write, the matmuls, and the rest, for N sequences decoding at a given context length.
+
+    python -m benchmarks.step_profile [--dtype bfloat16] [--weights dense] [--seqs 16]
+                                      [--context 160] [--steps 20] [--threads N] [--json]
+
+The N sequences are prefilled with --context random tokens each (no prefix sharing), then
+--steps decode steps of the engine are timed (LLM engine.step, greedy). Inside the step the
+model's attention calls (engine.model.paged_attention: the paged gather, QK^T, softmax
+and PV), its KV writes (engine.model.write_kv, quantizing for 1-byte KV) and its matmul calls (each layer's qkv, o, gate_up and
+down, and the LM head) are timed with perf_counter wrappers, so the shares add up against
+the step's wall time on one thread of work. Shares, not absolute times, are what to compare
+on a shared machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.step_profile", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="default")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--weights", default="dense")
+    p.add_argument("--kv-dtype", default="auto")
+    p.add_argument("--seqs", type=int, default=16)
+    p.add_argument("--context", type=int, default=160)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--json", action="store_true")
+    return p.parse_args(argv)
+
+
+class Clock:
+    """Seconds spent inside the wrapped callables."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def wrap(self, fn):
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.seconds += time.perf_counter() - t
+        return timed
+
+
+def instrument(model) -> dict[str, Clock]:
+    """Wrap the model's attention kernels and matmul weights (instance attributes and the
+    names engine.model looks up, so nothing in the engine changes)."""
+    import engine.model as model_module
+
+    clocks = {"attention": Clock(), "kv_write": Clock(), "matmul": Clock()}
+    model_module.paged_attention = clocks["attention"].wrap(model_module.paged_attention)
+    model_module.write_kv = clocks["kv_write"].wrap(model_module.write_kv)
+    for layer in model.layers:
+        for name in ("qkv", "o_proj", "gate_up", "down"):
+            setattr(layer, name, clocks["matmul"].wrap(getattr(layer, name)))
+    model.lm_head = clocks["matmul"].wrap(model.lm_head)
+    return clocks
+
+
+def run(args) -> dict:
+    import torch
+
+    from engine import EngineConfig, SamplingParams
+    from engine.llm import LLM
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    llm = LLM(EngineConfig(model=args.model, dtype=args.dtype, weights=args.weights,
+                           kv_dtype=args.kv_dtype, device="cpu", max_num_seqs=args.seqs,
+                           max_num_batched_tokens=max(512, args.context)))
+    engine = llm.engine
+    rng = random.Random(0)
+    vocab = engine.model.shape.vocab_size
+    for _ in range(args.seqs):
+        prompt = [rng.randrange(100, vocab) for _ in range(args.context)]
+        engine.add_request(prompt, SamplingParams(max_tokens=args.steps + 8, ignore_eos=True))
+    while engine.scheduler.waiting or any(
+            s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
+        engine.step()
+    for _ in range(3):  # warm the decode path
+        engine.step()
+    import engine.model as model_module
+
+    kernels = (model_module.paged_attention, model_module.write_kv)
+    clocks = instrument(engine.model)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        step = (time.perf_counter() - t0) / args.steps
+    finally:  # the module-level wrappers must not outlive this run
+        model_module.paged_attention, model_module.write_kv = kernels
+    attention, kv_write, matmul = (clocks[k].seconds / args.steps
+                                   for k in ("attention", "kv_write", "matmul"))
+    return {
+        "dtype": args.dtype, "weights": args.weights, "kv_dtype": str(engine.pool.dtype).removeprefix("torch."),
+        "seqs": args.seqs, "context": args.context, "threads": torch.get_num_threads(),
+        "step_ms": step * 1e3,
+        "attention_ms": attention * 1e3, "kv_write_ms": kv_write * 1e3,
+        "matmul_ms": matmul * 1e3,
+        "attention_share": attention / step, "kv_write_share": kv_write / step,
+        "matmul_share": matmul / step,
+        "other_share": 1 - (attention + kv_write + matmul) / step,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    r = run(args)
+    if args.json:
+        print(json.dumps(r))
+        return 0
+    print(f"{r['seqs']} sequences decoding at ~{r['context']} tokens of context, "
+          f"{r['dtype']} {r['weights']} weights, {r['kv_dtype']} KV, {r['threads']} threads")
+    print(f"step        {r['step_ms']:8.2f} ms")
+    for part in ("attention", "kv_write", "matmul"):
+        print(f"{part:11} {r[part + '_ms']:8.2f} ms  {r[part + '_share']:6.1%}")
+    other = r["step_ms"] - r["attention_ms"] - r["kv_write_ms"] - r["matmul_ms"]
+    print(f"other       {other:8.2f} ms  {r['other_share']:6.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""The CPU decode attention kernel (kernels/cpu_decode_attention.c, built by kernels.native),
+called once per layer for every decode row of the step.
+
+Why native code: the torch path gathers each sequence's blocks into a padded copy, converts
+it to float32 and runs SDPA over it, three passes and a dozen ops per layer; the kernel reads
+every cached K and V row once, through the block table, with no copies and no padding.
+Prefill chunks take the torch reference.
+"""
+from __future__ import annotations
+
+import functools
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from kernels import native
+from kernels.attention_ref import AttentionMetadata, paged_attention_ref
+
+KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3,
+         torch.float8_e4m3fn: 4}
+# Below this many decode rows a second thread costs more to hand work to than it saves.
+SPLIT_MIN_ROWS = 4
+ENV = native.ENV
+enabled = native.enabled
+available = native.available
+
+
+def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    return (query.device.type == "cpu" and k_cache.dtype in KINDS and k_cache.is_contiguous()
+            and available())
+
+
+@functools.cache
+def _executor() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvscope-attn")
+
+
+def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float,
+                        k_scale: torch.Tensor | None = None,
+                        v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """As kernels.attention_ref.paged_attention_ref: decode rows through the kernel, prefill
+    chunks through the reference."""
+    rows, seqs, lens = decode_rows(meta)
+    if not len(rows):
+        return paged_attention_ref(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
+    q = query.float().contiguous()
+    out = torch.empty_like(q)
+    if meta.prefill_seqs:
+        out[:] = paged_attention_ref(query, k_cache, v_cache, _prefill_only(meta), scale,
+                                     k_scale, v_scale)
+    tables = meta.block_tables.index_select(0, seqs) if len(seqs) < len(meta.context_lens) \
+        else meta.block_tables
+    _run(out, q, rows, tables.contiguous(), lens, k_cache, v_cache, k_scale, v_scale, scale)
+    return out.to(query.dtype)
+
+
+def decode_rows(meta: AttentionMetadata):
+    """(query rows, sequence indices, context lengths) of the step's decode rows, int64,
+    worked out once per step and kept on `meta`."""
+    got = meta.__dict__.get("_cpu_decode_rows")
+    if got is None:
+        qsl, ctx = meta.query_start_loc, meta.context_lens
+        idx = [i for i in range(len(ctx)) if qsl[i + 1] - qsl[i] == 1]
+        got = tuple(torch.tensor(x, dtype=torch.long) for x in
+                    ([qsl[i] for i in idx], idx, [ctx[i] for i in idx]))
+        meta.__dict__["_cpu_decode_rows"] = got
+    return got
+
+
+def _prefill_only(meta: AttentionMetadata) -> AttentionMetadata:
+    return AttentionMetadata(meta.query_start_loc, meta.context_lens, meta.block_tables,
+                             meta.slot_mapping, [], meta.prefill_seqs, meta.rotation)
+
+
+def _run(out, q, rows, tables, lens, k_cache, v_cache, k_scale, v_scale, scale) -> None:
+    lib = native.library()
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    ptr = lambda t: None if t is None else t.data_ptr()
+    def call(first: int, last: int) -> int:
+        return lib.kvscope_paged_decode(
+            out.data_ptr(), q.data_ptr(), rows.data_ptr(), tables.data_ptr(), tables.shape[1],
+            lens.data_ptr(), first, last, k_cache.data_ptr(), v_cache.data_ptr(),
+            ptr(k_scale), ptr(v_scale), q.shape[1], kv_heads, head_dim, block_size,
+            KINDS[k_cache.dtype], scale)
+    n = len(rows)
+    if n >= SPLIT_MIN_ROWS and torch.get_num_threads() > 1:
+        # ctypes lets go of the GIL during the call: the two halves run side by side.
+        half = _executor().submit(call, n // 2, n)
+        status = call(0, n // 2) | half.result()
+    else:
+        status = call(0, n)
+    if status:
+        raise MemoryError("the CPU attention kernel could not allocate its score buffer")

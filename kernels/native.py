@@ -1,0 +1,101 @@
+"""The native CPU kernels (kernels/cpu_*.c): built on first use with the system C compiler
+into one shared library, loaded with ctypes.
+
+Plain C, no torch headers, so the build takes a second or two (`cc -O3 -march=native`), into
+a cache folder keyed by the sources, the compiler and the flags (parallel processes build
+beside the target and rename, so none loads half a file). Where no compiler works,
+`library()` is None and the engine keeps the torch reference kernels; `KVSCOPE_CPU_KERNELS=off`
+forces that. ctypes releases the GIL for the length of a call.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).parent
+SOURCES = (HERE / "cpu_decode_attention.c", HERE / "cpu_decode_glue.c")
+ENV = "KVSCOPE_CPU_KERNELS"
+FLAG_SETS = (["-O3", "-march=native", "-fopenmp-simd"], ["-O3", "-fopenmp-simd"], ["-O2"])
+
+P, I64, INT, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+SIGNATURES = {
+    "kvscope_paged_decode": [P, P, P, P, I64, P, I64, I64, P, P, P, P, I64, I64, I64, I64, INT,
+                             F32],
+    "kvscope_add_rms_norm_bf16": [P, P, P, F32, P, I64, I64],
+    "kvscope_add_bf16": [P, P, I64],
+    "kvscope_silu_mul_bf16": [P, P, I64, I64],
+    "kvscope_rope_write": [P, I64, P, P, P, P, P, P, P, I64, I64, I64, INT],
+}
+
+
+def cache_dirs() -> list[Path]:
+    """Where a built library may live: the user's cache, else a folder in the temp dir."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return [Path(base) / "kvscope" / "kernels",
+            Path(tempfile.gettempdir()) / f"kvscope-kernels-{os.getuid()}"]
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "").strip().lower() not in ("off", "0", "false", "no")
+
+
+def available() -> bool:
+    return enabled() and library() is not None
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """Build (once per sources/compiler/flags) and load the kernels; None if that fails."""
+    compiler = os.environ.get("CC", "cc")
+    source = b"".join(p.read_bytes() for p in SOURCES)
+    for flags in FLAG_SETS:
+        key = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+        lib = _load(compiler, flags, f"kvscope-cpu-{key}.so")
+        if lib is None:
+            continue
+        lib.kvscope_init_tables()
+        for name, args in SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes = args
+            fn.restype = ctypes.c_int if name == "kvscope_paged_decode" else None
+        return lib
+    return None
+
+
+def _load(compiler: str, flags: list[str], name: str) -> ctypes.CDLL | None:
+    for folder in cache_dirs():
+        target = folder / name
+        if target.exists() or _build(compiler, flags, target):
+            try:
+                return ctypes.CDLL(str(target))
+            except OSError:
+                continue
+    return None
+
+
+def _build(compiler: str, flags: list[str], target: Path) -> bool:
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    except OSError:  # an unwritable cache: the caller tries the next folder
+        return False
+    os.close(fd)
+    cmd = [compiler, *flags, "-shared", "-fPIC", *map(str, SOURCES), "-o", tmp, "-lm"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        print(f"kvscope: building the CPU kernels failed ({e})", file=sys.stderr)
+        os.unlink(tmp)
+        return False
+    if done.returncode != 0:
+        print(f"kvscope: {' '.join(cmd)} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
+        os.unlink(tmp)
+        return False
+    os.replace(tmp, target)
+    return True

@@ -1,0 +1,29 @@
+"""benchmarks/step_profile.py on a tiny model: the parts it times are really inside the step
+(speed itself is measured by running the benchmark, not here)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import step_profile
+from tests.tiny_models import save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("sp") / "m")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_shares_of_a_decode_step(tiny, capsys, dtype):
+    argv = ["--model", str(tiny), "--dtype", dtype, "--seqs", "3", "--context", "20",
+            "--steps", "4", "--json"]
+    assert step_profile.main(argv) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["dtype"] == dtype and r["seqs"] == 3
+    # Both wrapped parts ran in every step and fit inside it.
+    assert r["attention_ms"] > 0 and r["kv_write_ms"] > 0 and r["matmul_ms"] > 0
+    assert r["attention_ms"] + r["kv_write_ms"] + r["matmul_ms"] < r["step_ms"]
+    shares = ("attention_share", "kv_write_share", "matmul_share", "other_share")
+    assert sum(r[k] for k in shares) == pytest.approx(1)
