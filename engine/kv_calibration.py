@@ -1,8 +1,7 @@
 """Calibrate the exact K shift and q/k balance (kernels/k_balance.py) once per loaded model.
 
-One forward pass over a fixed calibration text (below: prose, code, Q&A, history, how-to, a
-letter, SQL, a recipe, a chat turn; never an evaluation prompt, and written once, not tuned
-against the evaluation) in float32 with dense causal attention, recording every layer's query and
+One forward pass over a fixed calibration text (below: prose, code, Q&A, history; never an
+evaluation prompt) in float32 with dense causal attention, recording every layer's query and
 key after RoPE. Per (layer, KV head): c = the mean key; g = sqrt(rms(q) / rms(k - c)) per
 channel, over the group's query heads, normalised to a geometric mean of 1. Both are exact
 transforms whatever their values, so the calibration text only decides how much they help.
@@ -26,17 +25,7 @@ CALIBRATION_TEXT = (
     "< b[0] else b.pop(0))\n    return out + a + b\n"
     "Q: How many legs does a spider have? A: Eight. Q: And an insect? A: Six. "
     "In 1905 Einstein published four papers that changed physics: on the photoelectric "
-    "effect, Brownian motion, special relativity and the equivalence of mass and energy. "
-    "To repot a houseplant, water it the day before, choose a pot one size larger, loosen "
-    "the roots gently and fill around them with fresh soil; keep it out of direct sun for a "
-    "week. Dear Sam, thank you for the lovely dinner on Saturday. The lasagne was perfect "
-    "and we laughed all evening. Let us do it again soon! Best wishes, Priya. "
-    "SELECT name, COUNT(*) FROM orders WHERE total > 100 GROUP BY name ORDER BY 2 DESC; "
-    "Volcanoes form where molten rock rises through cracks in the crust. When pressure "
-    "builds, gas and magma escape in an eruption, and layers of ash and lava build a cone. "
-    "1. Preheat the oven to 200 C. 2. Mix flour, butter and sugar. 3. Bake for 25 minutes. "
-    "User: can you recommend a film for tonight? Assistant: If you like mysteries, try "
-    "Knives Out: a clever plot, a great cast and plenty of humour."
+    "effect, Brownian motion, special relativity and the equivalence of mass and energy."
 )
 # Gains are clamped to this range around 1 so that a channel the text barely excites cannot
 # get an extreme scale (the transform stays exact, but an extreme gain would spend the
