@@ -136,7 +136,10 @@ class EngineStatusBar(QStatusBar):
 
 
 def rotation_text(engine_stats: dict) -> str:
-    """' + Hadamard' (or the matrix the head dim got) when the engine stores K/V rotated."""
-    if engine_stats.get("kv_rotation") in (None, "none"):
+    """' + Hadamard' (or the matrix the head dim got) when the engine stores K/V rotated, and
+    ' + K balance' when the keys are also calibrated (kv_rotation "calibrated")."""
+    rotation = engine_stats.get("kv_rotation")
+    if rotation in (None, "none"):
         return ""
-    return f" + {engine_stats.get('kv_rotation_matrix') or engine_stats['kv_rotation']}"
+    text = f" + {engine_stats.get('kv_rotation_matrix') or 'Hadamard'}"
+    return text + " + K balance" if rotation == "calibrated" else text

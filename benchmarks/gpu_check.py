@@ -194,12 +194,15 @@ def check_write(kv_name, block_size, kv_heads, head_dim, n, device, seed) -> dic
 
 
 def check_attention(kv_name, q_name, block_size, heads, kv_heads, head_dim, seqs, device,
-                    seed, num_splits=None, block_n=None, rotated: bool = False) -> dict:
+                    seed, num_splits=None, block_n=None, rotated: bool = False,
+                    balanced: bool = False) -> dict:
     """With `rotated`, the kernel's fused q / output rotation against torch's rotate ->
-    reference -> unrotate (kernels.rotation), same tolerance."""
+    reference -> unrotate (kernels.rotation), same tolerance; with `balanced` also the fused
+    q / g of a random K balance (kernels.k_balance) against torch's balance_q."""
     import torch
 
     from kernels.attention_ref import paged_attention_ref
+    from kernels.k_balance import KBalanceLayer, balance_q
     from kernels.rotation import rotate, rotation_matrix, unrotate
     from kernels.triton_attention import paged_attention_triton
 
@@ -209,17 +212,23 @@ def check_attention(kv_name, q_name, block_size, heads, kv_heads, head_dim, seqs
     scale = 1 / math.sqrt(head_dim)
     out = torch.full_like(query, float("nan"))
     r = rotation_matrix("hadamard", head_dim, device) if rotated else None
+    kb = None
+    if balanced:
+        g = torch.Generator().manual_seed(seed)
+        kb = KBalanceLayer.of(torch.randn(kv_heads, head_dim, generator=g),
+                              torch.rand(kv_heads, head_dim, generator=g) + 0.5).to(device)
     paged_attention_triton(query, pool[0], pool[1], meta, scale, pool[2], pool[3], out=out,
-                           num_splits=num_splits, block_n=block_n, rotation=r)
+                           num_splits=num_splits, block_n=block_n, rotation=r, k_balance=kb)
     clean = sanitized(pool)
-    q_ref = rotate(query, r).to(q_dtype)
+    q_ref = rotate(balance_q(query, kb), r).to(q_dtype)
     want = unrotate(paged_attention_ref(q_ref, clean[0], clean[1], meta, scale, clean[2],
                                         clean[3]), r).to(q_dtype)
     tol = TOL[q_name]
     diff = (out.float() - want.float()).abs()
     nan = int(torch.isnan(out).sum())
     ratio = float((diff / (tol + tol * want.float().abs())).nan_to_num(float("inf")).max())
-    return {"kernel": "paged_attention" + (" rotated" if rotated else ""),
+    return {"kernel": "paged_attention" + (" rotated" if rotated else "")
+            + (" balanced" if balanced else ""),
             "kv_dtype": kv_name, "q_dtype": q_name,
             "block_size": block_size, "heads": f"{heads}/{kv_heads}x{head_dim}",
             "q_lens": [q for q, _ in seqs], "ctx_lens": [c for _, c in seqs],
@@ -257,7 +266,8 @@ def correctness(device, small: bool, seed: int) -> list[dict]:
                 splits, block_n = (None if (i + bs) % 2 else 1), None
             rows.append(check_attention(kv, qd, bs, heads, kvh, hd, seqs, device,
                                         seed + 13 * i + bs, splits, block_n,
-                                        rotated=kv == "int8" and bs == 16))
+                                        rotated=kv in ("int8", "fp8") and bs == 16,
+                                        balanced=kv == "fp8" and bs == 16))
     return rows
 
 
@@ -343,7 +353,7 @@ def time_decode(name, heads, kv_heads, head_dim, kv_name, batch, ctx, block_size
     scale = 1 / math.sqrt(head_dim)
     ms = bench_ms(lambda: paged_attention_triton(q, pool[0], pool[1], meta, scale, pool[2],
                                                  pool[3], out=out), device)
-    ms_rotated = None
+    ms_rotated = ms_balanced = None
     if kv_name == "int8":  # the fused q / output rotation (kernels/rotation.py), same pool
         from kernels.rotation import rotation_matrix
 
@@ -351,6 +361,13 @@ def time_decode(name, heads, kv_heads, head_dim, kv_name, batch, ctx, block_size
         ms_rotated = bench_ms(lambda: paged_attention_triton(q, pool[0], pool[1], meta, scale,
                                                              pool[2], pool[3], out=out,
                                                              rotation=r), device)
+        from kernels.k_balance import KBalanceLayer
+
+        kb = KBalanceLayer.of(torch.zeros(kv_heads, head_dim),
+                              torch.ones(kv_heads, head_dim)).to(device)
+        ms_balanced = bench_ms(lambda: paged_attention_triton(q, pool[0], pool[1], meta,
+                                                              scale, pool[2], pool[3], out=out,
+                                                              rotation=r, k_balance=kb), device)
     elem = pool[0].element_size()
     kv_bytes = batch * ctx * kv_heads * head_dim * elem * 2
     scale_bytes = batch * ctx * kv_heads * 4 * 2 if is_quantized(kv_dtype) else 0
@@ -360,7 +377,7 @@ def time_decode(name, heads, kv_heads, head_dim, kv_name, batch, ctx, block_size
            "block_size": block_size, "num_splits": _choose_splits(q.device, batch * kv_heads,
                                                                   ctx),
            "ms": ms, "bytes_read": total, "gb_per_s": bw / 1e9, "share_of_copy_bw": bw / copy_bw,
-           "ref_ms": None, "ms_rotated": ms_rotated}
+           "ref_ms": None, "ms_rotated": ms_rotated, "ms_calibrated": ms_balanced}
     if with_ref:
         try:
             row["ref_ms"] = bench_ms(lambda: paged_attention_ref(q, pool[0], pool[1], meta,
@@ -468,7 +485,9 @@ def format_report(r: dict) -> str:
                          f"block {c['block_size']:>3}: {c['mismatched_elements']} mismatched "
                          f"elements, {c['wrongly_touched_slots']} wrong slots (exact)")
         else:
-            name = "attn+rot " if c["kernel"].endswith("rotated") else "attention"
+            name = {"paged_attention rotated": "attn+rot ",
+                    "paged_attention rotated balanced": "attn+bal "}.get(c["kernel"],
+                                                                         "attention")
             lines.append(f"  {status} {name}  {c['kv_dtype']:>8} q {c['q_dtype']:<8} "
                          f"block {c['block_size']:>3} heads {c['heads']:<9} splits "
                          f"{c['num_splits']!s:>4}: max err {c['max_abs_err']:.2e} "
@@ -487,7 +506,9 @@ def format_report(r: dict) -> str:
         lines.append(f"  {d['config']:<26} {d['kv_dtype']:>8} {d['num_splits']:>6} "
                      f"{d['ms']:8.3f} {d['bytes_read'] / 1e9:8.2f} {d['gb_per_s']:7.0f} "
                      f"{d['share_of_copy_bw'] * 100:7.0f}% {ref}"
-                     + (f"  rotated {d['ms_rotated']:.3f} ms" if d.get("ms_rotated") else ""))
+                     + (f"  rotated {d['ms_rotated']:.3f} ms" if d.get("ms_rotated") else "")
+                     + (f"  calibrated {d['ms_calibrated']:.3f} ms"
+                        if d.get("ms_calibrated") else ""))
     e = r.get("e2e")
     if e:
         lines += ["", (f"end to end: {e['requests']} requests, prompts {e['prompt_range']}, "

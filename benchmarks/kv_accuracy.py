@@ -1,7 +1,9 @@
 """What a KV dtype costs in accuracy, measured on the embedded model against float32 KV.
 
-For each KV dtype, with and without the K/V rotation (kernels/rotation.py; 1-byte dtypes only,
-where it matters): prefix agreement (share of generated positions before the first token that
+For each KV dtype, with and without the K/V rotation (kernels/rotation.py) and the calibrated
+exact K shift and q/k balance on top of it (kernels/k_balance.py) -- 1-byte dtypes only, where
+they matter -- over the chat prompts of resources/kv_accuracy_prompts.txt (40, chosen before
+any measurement): prefix agreement (share of generated positions before the first token that
 differs from the float32-KV continuation, the number a user feels), positional agreement (share
 of positions whose token equals the reference's, which forgives a detour that comes back), mean
 KL divergence of next-token distributions along the float32 continuation (teacher-forced), and
@@ -14,19 +16,21 @@ import json
 import sys
 from pathlib import Path
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about memory.",
-    "Explain how a hash table works.",
-    "Give me three tips for learning to play the guitar.",
-    "Summarise the plot of Romeo and Juliet in two sentences.",
-    "Why is the sky blue?",
-    "Translate 'good morning, my friend' into French and Spanish.",
-    "List the planets of the solar system in order.",
-]
+PROMPTS_FILE = Path(__file__).resolve().parent.parent / "resources" / "kv_accuracy_prompts.txt"
+
+
+def load_prompts(path: Path = PROMPTS_FILE) -> list[str]:
+    """One chat turn a line; blank lines and lines starting with # are skipped."""
+    return [line.strip() for line in path.read_text().splitlines()
+            if line.strip() and not line.startswith("#")]
+
+
+# The file's first eight: the set kv-accuracy used before it grew to 40, which other benchmarks
+# (single_stream, kv_shift_experiment) still measure on.
+PROMPTS = load_prompts()[:8]
 TEXT = Path(__file__).resolve().parent.parent / "resources" / "perplexity_text.txt"
 DTYPES = ["float32", "bfloat16", "float16", "int8", "fp8"]
-ROTATIONS = ["hadamard", "none"]
+ROTATIONS = ["calibrated", "hadamard", "none"]
 ONE_BYTE = ("int8", "fp8")
 
 
@@ -36,6 +40,9 @@ def parse_args(argv):
     p.add_argument("--dtypes", nargs="+", default=DTYPES, choices=DTYPES)
     p.add_argument("--rotations", nargs="+", default=ROTATIONS, choices=ROTATIONS,
                    help="K/V rotations to compare on int8/fp8 (wider dtypes run unrotated)")
+    p.add_argument("--prompts", type=Path, default=PROMPTS_FILE,
+                   help="a file of chat prompts, one a line")
+    p.add_argument("--num-prompts", type=int, default=None, help="only the first N prompts")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--text-tokens", type=int, default=512, help="perplexity text length cap")
     p.add_argument("--block-size", type=int, default=16)
@@ -95,7 +102,8 @@ def run(args) -> dict:
     # Dense float32 weights: the KV dtype is the only thing that differs from the reference.
     llm = LLM(EngineConfig(model=args.model, block_size=args.block_size, weights="dense"),
               loaded=loaded)
-    prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in PROMPTS]
+    questions = load_prompts(args.prompts)[:args.num_prompts]
+    prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
     text_ids = loaded.tokenizer.encode(TEXT.read_text())[:args.text_tokens]
     engine = llm.engine
     reference = reference_of(engine, prompts, args.max_tokens)

@@ -1,4 +1,6 @@
-"""Experiment (not wired into the engine): the exact K shift on top of the rotation, for fp8.
+"""Experiment: the exact K shift alone on top of the rotation, for fp8 (the engine now has the
+shift together with a q/k channel balance as `--kv-rotation calibrated`, kernels/k_balance.py;
+this script keeps the shift-only variant for comparison).
 
 Subtracting one constant vector c from every key of a layer and KV head changes every score of
 a query by the same q.c, so softmax, and the output, are unchanged in exact arithmetic; what
@@ -57,11 +59,12 @@ def shifting_write(means, num_layers):
     calls = [0]
 
     def write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None,
-                 rotation=None):
+                 rotation=None, k_balance=None):
         c = means[calls[0] % num_layers]
         calls[0] += 1
         key = key - c.to(key.dtype)
-        original(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, rotation)
+        original(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, rotation,
+                 k_balance)
 
     return write_kv
 

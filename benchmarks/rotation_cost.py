@@ -1,7 +1,8 @@
-"""What the K/V rotation costs a decode step: two engines on the same weights and the same
-int8 pool size, one rotated (Hadamard) and one not, stepped alternately through the same
-decode batch so both see the same machine load; plus the rotation's own ops timed alone
-(q, k, v rotated and the output rotated back, every layer) against the step.
+"""What the K/V rotation costs a decode step: three engines on the same weights and the same
+int8 pool size -- plain, rotated (Hadamard) and calibrated (Hadamard + the K shift and q/k
+balance) -- stepped alternately through the same decode batch so all see the same machine
+load; plus the transform's own ops timed alone (q balanced and rotated, k shifted, balanced
+and rotated, v rotated, the output rotated back, every layer) against the step.
 
     python -m benchmarks.rotation_cost [--batch 8] [--prompt 256] [--steps 40] [--json]
 
@@ -26,7 +27,7 @@ def decode_engines(args):
 
     loaded = load_model(args.model, torch.float32 if args.device == "cpu" else torch.bfloat16)
     engines = {}
-    for rotation in ("none", "hadamard"):
+    for rotation in ("none", "hadamard", "calibrated"):
         cfg = EngineConfig(model=args.model, device=args.device, kv_dtype=args.kv_dtype,
                            kv_rotation=rotation, num_kv_blocks=args.batch * 64 + 64,
                            max_num_batched_tokens=max(512, args.prompt))
@@ -51,12 +52,15 @@ def timed_step(engine, sync) -> float:
 
 def rotation_ops_s(engine, sync, reps: int) -> float:
     """The torch path's rotation work of one decode step, alone: per layer q, k, v @ R and
-    the output @ R^T, for this batch's shapes."""
+    the output @ R^T (and, for a calibrated pool, the K shift/balance and q balance), for this
+    batch's shapes."""
     import torch
 
+    from kernels.k_balance import balance_k, balance_q
     from kernels.rotation import rotate, unrotate
 
     s, r = engine.model.shape, engine.pool.rotation
+    kb = engine.pool.k_balance[0] if engine.pool.k_balance else None
     b = len(engine.scheduler.running)
     dt = engine.model.dtype
     q = torch.randn(b, s.num_heads, s.head_dim, dtype=dt, device=r.device)
@@ -64,7 +68,8 @@ def rotation_ops_s(engine, sync, reps: int) -> float:
 
     def one_step():
         for _ in range(s.num_layers):
-            rotate(q, r).to(dt), rotate(kv, r), rotate(kv, r), unrotate(q, r).to(dt)
+            rotate(balance_q(q, kb), r).to(dt), rotate(balance_k(kv, kb), r), rotate(kv, r)
+            unrotate(q, r).to(dt)
 
     one_step()
     sync()
@@ -99,15 +104,19 @@ def main(argv=None) -> int:
         for name, engine in engines.items():  # alternate: both see the same load
             times[name].append(timed_step(engine, sync))
     step = {name: statistics.median(t) for name, t in times.items()}
-    ops = rotation_ops_s(engines["hadamard"], sync, 20) if args.device == "cpu" else None
+    cpu = args.device == "cpu"
+    ops = {n: rotation_ops_s(engines[n], sync, 20) if cpu else None
+           for n in ("hadamard", "calibrated")}
     row = {
         "device": args.device, "threads": torch.get_num_threads(), "kv_dtype": args.kv_dtype,
         "batch": args.batch,
         "context": args.prompt, "steps": args.steps,
-        "step_ms_none": step["none"] * 1e3, "step_ms_hadamard": step["hadamard"] * 1e3,
-        "step_difference_share": (step["hadamard"] - step["none"]) / step["hadamard"],
-        "rotation_ops_ms": None if ops is None else ops * 1e3,
-        "rotation_ops_share": None if ops is None else ops / step["hadamard"],
+        **{f"step_ms_{n}": t * 1e3 for n, t in step.items()},
+        **{f"step_difference_share_{n}": (step[n] - step["none"]) / step[n]
+           for n in ("hadamard", "calibrated")},
+        **{f"rotation_ops_ms_{n}": None if t is None else t * 1e3 for n, t in ops.items()},
+        **{f"rotation_ops_share_{n}": None if t is None else t / step[n]
+           for n, t in ops.items()},
         "kv_bytes_per_token": {n: e.stats()["kv_bytes_per_token"] for n, e in engines.items()},
     }
     if args.json:

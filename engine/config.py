@@ -4,10 +4,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 KV_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8")
-# "auto": rotate int8 KV, where it cuts the error (KL 3.8x lower on the embedded model), and
-# leave the rest alone: fp8 is a float format whose error is relative per element, and there
-# rotation measured slightly worse (benchmarks/kv_accuracy.py; README "KV dtypes").
-KV_ROTATIONS = ("auto", "hadamard", "none")
+# K/V rotation (kernels/rotation.py) and the exact K shift and q/k balance on top of it
+# (kernels/k_balance.py, calibrated once per model by engine/kv_calibration.py):
+# "calibrated" = Hadamard + K balance, "hadamard" = the rotation alone, "none" = plain.
+# "auto": "calibrated" for the 1-byte dtypes, where it halves int8's KL from float32 again
+# after the rotation's 4.4x (fp8: 1.9x in all; benchmarks/kv_accuracy.py, README "KV dtypes"),
+# "none" for the float ones, where nothing is lost to begin with.
+KV_ROTATIONS = ("auto", "calibrated", "hadamard", "none")
 MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 # Matmul weights: dense in the model dtype, or weight-only int4 / int8 (CPU); see
@@ -122,13 +125,13 @@ def resolve_kv_dtype(kv_dtype: str, model_dtype: str, device: str):
     return dtype
 
 
-ROTATED_BY_DEFAULT = ("int8",)
+ROTATED_BY_DEFAULT = ("int8", "fp8")
 
 
 def resolve_kv_rotation(kv_rotation: str, kv_dtype_name: str) -> str:
-    """'hadamard' or 'none'; 'auto' rotates exactly the int8 pools."""
+    """'calibrated', 'hadamard' or 'none'; 'auto' is 'calibrated' for the 1-byte pools."""
     if kv_rotation == "auto":
-        return "hadamard" if kv_dtype_name in ROTATED_BY_DEFAULT else "none"
+        return "calibrated" if kv_dtype_name in ROTATED_BY_DEFAULT else "none"
     return kv_rotation
 
 

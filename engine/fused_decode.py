@@ -36,7 +36,8 @@ def supports_model(model) -> bool:
 
 
 def supports_step(meta, pool) -> bool:
-    return (not meta.prefill_seqs and pool.rotation is None and pool.scales is None
+    return (not meta.prefill_seqs and pool.rotation is None and pool.k_balance is None
+            and pool.scales is None
             and pool.dtype in (torch.float32, BF16) and native.available())
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.model import ModelShape
+from kernels.k_balance import KBalanceLayer
 from kernels.quant import SCALE_DTYPE, is_quantized
 from kernels.rotation import rotation_matrix
 
@@ -32,10 +33,18 @@ class KVPool:
     bytes_per_token: int
     # R [head_dim, head_dim] float32 when the pool holds rotated K/V (kernels.rotation).
     rotation: torch.Tensor | None = None
+    # Per layer the exact K shift and q/k balance (kernels.k_balance) the pool's keys carry;
+    # None when they are plain. Calibrated once per model (engine.kv_calibration).
+    k_balance: list[KBalanceLayer] | None = None
 
     @classmethod
     def allocate(cls, shape: ModelShape, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: str, rotation: str = "none") -> KVPool:
+                 dtype: torch.dtype, device: str, rotation: str = "none",
+                 k_balance: list[KBalanceLayer] | None = None) -> KVPool:
+        """rotation: "calibrated" (Hadamard + `k_balance`, the calibrated per-layer K
+        transform), "hadamard" or "none" (kernels.rotation)."""
+        if (rotation == "calibrated") != (k_balance is not None):
+            raise ValueError("a 'calibrated' pool needs its K balance, and only it takes one")
         dims = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
         def zeros(size, dt):
             return torch.zeros(size, dtype=dt, device=device)
@@ -47,13 +56,16 @@ class KVPool:
                       for _ in range(shape.num_layers)]
         return cls(caches, scales, num_blocks, block_size, dtype,
                    kv_bytes_per_token(shape, dtype),
-                   rotation_matrix(rotation, shape.head_dim, device))
+                   rotation_matrix("none" if rotation == "none" else "hadamard",
+                                   shape.head_dim, device),
+                   [kb.to(device) for kb in k_balance] if k_balance is not None else None)
 
     def layer(self, i: int) -> tuple:
-        """(k_cache, v_cache, k_scale, v_scale) of layer i; scales are None unless quantized."""
+        """(k_cache, v_cache, k_scale, v_scale, k_balance) of layer i; scales are None unless
+        quantized, k_balance None unless the keys are balanced."""
         k, v = self.caches[i]
         ks, vs = self.scales[i] if self.scales else (None, None)
-        return k, v, ks, vs
+        return k, v, ks, vs, self.k_balance[i] if self.k_balance is not None else None
 
     @property
     def nbytes(self) -> int:

@@ -20,6 +20,7 @@ from engine.config import (
 )
 from engine.detokenizer import Decoder, decode_delta, decode_rest
 from engine.kv_cache import KVPool, kv_bytes_per_token, num_blocks_for_budget
+from engine.kv_calibration import calibrate_k_balance
 from engine.loader import LoadedModel, load_model
 from engine.model import PagedLlama
 from engine.model_runner import ModelRunner
@@ -85,7 +86,7 @@ class LLMEngine:
                              f"one block of {cfg.block_size} tokens needs "
                              f"{cfg.block_size * per_token} bytes")
         self.pool = KVPool.allocate(shape, num_blocks, cfg.block_size, self.kv_dtype, self.device,
-                                    self.kv_rotation)
+                                    self.kv_rotation, self._k_balance(self.kv_rotation))
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         old = getattr(self, "scheduler", None)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs,
@@ -93,6 +94,16 @@ class LLMEngine:
         if old is not None:
             self.scheduler.num_preemptions = old.num_preemptions
         self.runner = ModelRunner(self.model, self.pool)
+
+    def _k_balance(self, rotation: str):
+        """The model's calibrated K balance when the pool wants it: computed on first use
+        (one forward pass over engine.kv_calibration's text) and kept across reconfigures."""
+        if rotation != "calibrated":
+            return None
+        if getattr(self, "_k_balance_layers", None) is None:
+            self._k_balance_layers = calibrate_k_balance(self.model, self.tokenizer,
+                                                         self.max_model_len)
+        return self._k_balance_layers
 
     # -- reconfigure -----------------------------------------------------------------------
     def reconfigure(self, **changes) -> EngineConfig:

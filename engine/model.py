@@ -176,10 +176,11 @@ class PagedLlama:
                                                         s.head_dim), cos, sin)
         q, k = qk[:, :s.num_heads], qk[:, s.num_heads:]
         v = qkv[:, q_size + kv_size:].view(-1, s.num_kv_heads, s.head_dim)
-        k_cache, v_cache, k_scale, v_scale = kv
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale, meta.rotation)
+        k_cache, v_cache, k_scale, v_scale, k_balance = kv
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale, meta.rotation,
+                 k_balance)
         o = paged_attention(q, k_cache, v_cache, meta, self.scale, k_scale, v_scale,
-                            meta.rotation)
+                            meta.rotation, k_balance)
         return layer.o_proj(o.reshape(-1, q_size))
 
     @staticmethod

@@ -9,6 +9,7 @@ import torch
 from engine.kv_cache import KVPool
 from engine.model import PagedLlama
 from engine.scheduler import ScheduledSeq
+from kernels import native
 from kernels.attention_ref import AttentionMetadata, group_decode_rows
 
 
@@ -76,9 +77,11 @@ class ModelRunner:
         return packed[:num_rows], packed[num_rows:2 * num_rows], meta, last_rows
 
     def decode_groups(self, starts: list[int], ctx_lens: list[int]):
-        """The reference attention's decode groups: built now on the CPU, where it runs, so
-        the profile counts them as host work; on first use elsewhere (see DecodeGroups)."""
-        if self.on_host:
+        """The torch reference attention's decode groups. Built now when that reference is
+        what runs (the CPU without its native kernels), so the profile counts them as host
+        work; otherwise on first use, which the Triton kernels and the native CPU decode
+        attention never make (see DecodeGroups)."""
+        if self.on_host and not native.available():
             return group_decode_rows(starts, ctx_lens)
         return DecodeGroups(starts, ctx_lens)
 
@@ -86,10 +89,10 @@ class ModelRunner:
 class DecodeGroups(Sequence):
     """kernels.attention_ref.group_decode_rows of a step, built on first use.
 
-    Only the torch reference attention reads the decode groups; the Triton kernels never do,
-    and building them (a sort and three small tensors per group) is a tenth of a GPU step's
-    host time at 64 sequences. On the CPU the runner builds them at once instead, so the
-    profile does not count them as model time.
+    Only the torch reference attention reads the decode groups; the Triton kernels and the
+    native CPU decode attention never do, and building them (a sort and three small tensors
+    per group) is a tenth of a GPU step's host time at 64 sequences, 0.1-0.25 ms of a CPU one.
+    Prefill chunks on the CPU still take the reference, which then builds them.
     """
 
     def __init__(self, starts: list[int], ctx_lens: list[int]) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from kernels import cpu_attention
 from kernels.attention_ref import AttentionMetadata, paged_attention_ref
+from kernels.k_balance import KBalanceLayer, balance_k, balance_q
 from kernels.kv_write_ref import write_kv_ref
 from kernels.rotation import rotate, unrotate
 
@@ -41,39 +42,44 @@ def backend(device: torch.device | str) -> str:
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slot_mapping: torch.Tensor,
              k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-             rotation: torch.Tensor | None = None) -> None:
+             rotation: torch.Tensor | None = None,
+             k_balance: KBalanceLayer | None = None) -> None:
     """Scatter new K/V rows into their slots (quantizing for int8/fp8 pools); see
     kernels.kv_write_ref.write_kv_ref. With a `rotation` R (kernels.rotation) the pool holds
-    key @ R and value @ R; the Triton kernel rotates in registers on the way."""
+    key @ R and value @ R; with a `k_balance` (kernels.k_balance) the key is first shifted
+    and scaled per channel, ((key - c) * g) @ R. The Triton kernel does both in registers."""
     if backend(k_cache.device) == "triton":
         from kernels.triton_kv_write import write_kv_triton
 
         write_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale,
-                        rotation=rotation)
+                        rotation=rotation, k_balance=k_balance)
     else:
-        write_kv_ref(rotate(key, rotation), rotate(value, rotation), k_cache, v_cache,
-                     slot_mapping, k_scale, v_scale)
+        write_kv_ref(rotate(balance_k(key, k_balance), rotation), rotate(value, rotation),
+                     k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float,
                     k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None,
-                    rotation: torch.Tensor | None = None) -> torch.Tensor:
+                    rotation: torch.Tensor | None = None,
+                    k_balance: KBalanceLayer | None = None) -> torch.Tensor:
     """Varlen paged attention (decode rows and prefill chunks); see
     kernels.attention_ref.paged_attention_ref. With a `rotation` R the pool holds rotated K/V:
     the query is rotated the same way and the output rotated back (o = (o R) R^T), so the
-    result is attention over the unrotated K/V; the Triton kernel does both in registers."""
+    result is attention over the unrotated K/V. With a `k_balance` the pool's keys are
+    ((k - c) * g) @ R and the query attends as (q / g) @ R: every score of a query moves by
+    the same q.c, which softmax ignores. The Triton kernel does all of it in registers."""
     if backend(query.device) == "triton":
         from kernels.triton_attention import paged_attention_triton
 
         return paged_attention_triton(query, k_cache, v_cache, meta, scale, k_scale, v_scale,
-                                      rotation=rotation)
+                                      rotation=rotation, k_balance=k_balance)
     attend = paged_attention_ref
     if backend(query.device) == "cpu" and cpu_attention.supports(query, k_cache):
         attend = cpu_attention.paged_attention_cpu
-    if rotation is None:
+    if rotation is None and k_balance is None:
         return attend(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
-    out = attend(rotate(query, rotation).to(query.dtype), k_cache, v_cache, meta, scale,
-                 k_scale, v_scale)
+    q = rotate(balance_q(query, k_balance), rotation).to(query.dtype)
+    out = attend(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
     return unrotate(out, rotation).to(query.dtype)

@@ -2,7 +2,10 @@
 
 With a rotation R (pool holding K @ R, V @ R; kernels/rotation.py) a program multiplies its
 query tile by R after loading it and its accumulator by R^T before storing it: two small
-float32 dots per program, no pass over the cache and no extra kernel.
+float32 dots per program, no pass over the cache and no extra kernel. With a K balance
+(kernels/k_balance.py; the pool holds ((k - c) * g) @ R) the query tile is multiplied by its
+KV head's 1 / g before the rotation: one elementwise op (c needs nothing: it moves every
+score of a query by the same amount).
 
 Same contract as `kernels.attention_ref.paged_attention_ref` (the CPU path and the oracle):
 sequence i's queries are rows query_start_loc[i]:query_start_loc[i+1], the last q_len of
@@ -52,8 +55,9 @@ import triton
 import triton.language as tl
 
 from kernels.attention_ref import AttentionMetadata
+from kernels.k_balance import KBalanceLayer
 from kernels.quant import is_quantized
-from kernels.triton_kv_write import _bf16_rne, check_rotation
+from kernels.triton_kv_write import _bf16_rne, check_k_balance, check_rotation
 
 _LOG2E = 1.4426950408889634
 
@@ -86,6 +90,7 @@ def _paged_attention_kernel(
     qsl_ptr, ctx_ptr, tile_seq_ptr, tile_q_ptr,
     out_ptr, part_acc_ptr, part_ml_ptr,
     rot_ptr,                          # R [HEAD_DIM, HEAD_DIM] float32 when ROTATE
+    qgain_ptr,                        # K balance 1 / g [kv_heads, HEAD_DIM] when BALANCE
     sqt, sqh, sqd,                    # query strides
     scb, scs, sch, scd,               # cache strides (K and V share them)
     ssb, sss, ssh,                    # scale cache strides
@@ -98,7 +103,7 @@ def _paged_attention_kernel(
     GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, KV_KIND: tl.constexpr,
     QUANT: tl.constexpr, DOT: tl.constexpr, F32_PRECISION: tl.constexpr,
-    BF16_OUT: tl.constexpr, ROTATE: tl.constexpr,
+    BF16_OUT: tl.constexpr, ROTATE: tl.constexpr, BALANCE: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -123,6 +128,9 @@ def _paged_attention_kernel(
 
     q = tl.load(q_ptr + token[:, None] * sqt + head[:, None] * sqh + d[None, :] * sqd,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if BALANCE:
+        qg = tl.load(qgain_ptr + kvh * HEAD_DIM + d, mask=d_ok, other=0.0)
+        q = q.to(tl.float32) * qg[None, :]
     if ROTATE:
         # The pool holds K @ R: attend with q @ R (same scores), in registers.
         r = tl.load(rot_ptr + d[:, None] * HEAD_DIM + d[None, :],
@@ -297,13 +305,16 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            k_scale: torch.Tensor | None = None,
                            v_scale: torch.Tensor | None = None, *,
                            rotation: torch.Tensor | None = None,
+                           k_balance: KBalanceLayer | None = None,
                            out: torch.Tensor | None = None, num_splits: int | None = None,
                            block_n: int | None = None) -> torch.Tensor:
     """query: [T, heads, head_dim] -> [T, heads, head_dim] in query's dtype.
 
     Keyword-only extras: `rotation` (R [head_dim, head_dim] float32: the pool holds K @ R and
     V @ R; the kernel rotates q by R after loading it and the output by R^T before storing
-    it, so the result is attention over the unrotated K/V), `out` (written in place and
+    it, so the result is attention over the unrotated K/V), `k_balance` (kernels.k_balance:
+    the pool's keys were shifted and scaled per channel; the query is scaled by 1 / g of its
+    KV head before the rotation), `out` (written in place and
     returned), `num_splits` (KV splits per
     tile; default: chosen from the GPU's size, 1 on the interpreter), `block_n` (KV tile).
     """
@@ -331,6 +342,7 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     device = query.device
     interpret = device.type != "cuda"
     rot = check_rotation(rotation, head_dim, device)
+    kb = check_k_balance(k_balance, kv_heads, head_dim, device)
 
     quant = is_quantized(k_cache.dtype)
     kc, vc = k_cache, v_cache
@@ -390,6 +402,7 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         query, kc, vc, ks, vs, tables,
         step["qsl"], step["ctx"], step["tile_seq"], step["tile_q"],
         out, part_acc, part_ml, query if rot is None else rot,
+        query if kb is None else kb.q_gain,
         *query.stride(), *k_cache.stride(), *scale_strides, tables.stride(0), *out.stride(),
         num_tokens, num_heads,
         float(scale) * _LOG2E * fix, fix,
@@ -397,7 +410,8 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
         KV_KIND=kind, QUANT=quant, DOT=dot_tl[dot],
         F32_PRECISION=("ieee" if interpret else "tf32x3") if f32 else "",
-        BF16_OUT=bf16_out, ROTATE=rot is not None, num_warps=num_warps,
+        BF16_OUT=bf16_out, ROTATE=rot is not None, BALANCE=kb is not None,
+        num_warps=num_warps,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](

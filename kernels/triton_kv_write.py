@@ -26,6 +26,8 @@ With a rotation R (kernels/rotation.py) the program multiplies its [kv_heads, he
 tiles by R in registers (a float32 `tl.dot`, the kv-head rows padded to 16) before the scale
 is taken: no extra pass over anything, and the pool holds x @ R. Its summation order is not
 torch's, so rotated codes may sit one step from the torch path's (tests/test_triton_rotation.py).
+With a K balance (kernels/k_balance.py) the K tile is shifted and scaled per channel first,
+(k - c) * g, two elementwise ops on the tile it already holds.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.k_balance import KBalanceLayer
 from kernels.quant import MIN_SCALE, QMAX, is_quantized
 
 _KIND = {torch.int8: 1, torch.float8_e4m3fn: 2}
@@ -101,9 +104,11 @@ def _kv_write_kernel(
     kcb, kcs, kch, kcd, vcb, vcs, vch, vcd,             # cache strides
     ksb, kss, ksh, vsb, vss, vsh,                       # scale cache strides
     rot_ptr,                                            # R [head_dim, head_dim] float32
+    shift_ptr, gain_ptr,                                # K balance c, g [kv_heads, head_dim]
     block_size, kv_heads, head_dim,
     KIND: tl.constexpr, QMAX_V: tl.constexpr, MIN_S: tl.constexpr, BF16: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, ROTATE: tl.constexpr,
+    BALANCE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -117,6 +122,11 @@ def _kv_write_kernel(
         k = tl.load(key_ptr + t * skt + h[:, None] * skh + d[None, :] * skd, mask=mask, other=0.0)
         v = tl.load(value_ptr + t * svt + h[:, None] * svh + d[None, :] * svd, mask=mask,
                     other=0.0)
+        if BALANCE:
+            cg = h[:, None] * head_dim + d[None, :]
+            c = tl.load(shift_ptr + cg, mask=mask, other=0.0)
+            g = tl.load(gain_ptr + cg, mask=mask, other=0.0)
+            k = (k.to(tl.float32) - c) * g
         if ROTATE:
             # x @ R in registers (BLOCK_H >= 16 rows for tl.dot; padded rows are zeros).
             d_ok = d < head_dim
@@ -140,11 +150,13 @@ def write_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
                     v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                     k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None, *,
-                    rotation: torch.Tensor | None = None) -> None:
+                    rotation: torch.Tensor | None = None,
+                    k_balance: KBalanceLayer | None = None) -> None:
     """key/value: [T, kv_heads, head_dim] (any strides); caches: [num_blocks, block_size,
     kv_heads, head_dim]; scales (int8/fp8 caches only): [num_blocks, block_size, kv_heads]
     float32. Writes in place; slots < 0 are skipped. `rotation` R [head_dim, head_dim]
-    float32: the pool gets key @ R and value @ R, rotated in registers before quantizing."""
+    float32: the pool gets key @ R and value @ R, rotated in registers before quantizing.
+    `k_balance` (kernels.k_balance): the key is (key - c) * g before that."""
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"K and V caches differ in dtype: {k_cache.dtype} vs {v_cache.dtype}")
     num_tokens, kv_heads, head_dim = key.shape
@@ -174,18 +186,22 @@ def write_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
         ks = vs = k_cache  # unused placeholders (never dereferenced when KIND == 0)
     slots = slot_mapping if slot_mapping.device == key.device else slot_mapping.to(key.device)
     rot = check_rotation(rotation, head_dim, key.device)
+    kb = check_k_balance(k_balance, kv_heads, head_dim, key.device)
     ksst = ks.stride() if quant else (0, 0, 0)
     vsst = vs.stride() if quant else (0, 0, 0)
     _kv_write_kernel[(num_tokens,)](
         key, value, kc, vc, ks, vs, slots,
         *key.stride(), *value.stride(), *kc.stride(), *vc.stride(), *ksst, *vsst,
-        key if rot is None else rot, k_cache.shape[1], kv_heads, head_dim,
+        key if rot is None else rot,
+        key if kb is None else kb.shift, key if kb is None else kb.gain,
+        k_cache.shape[1], kv_heads, head_dim,
         KIND=kind, QMAX_V=qmax, MIN_S=MIN_SCALE,
-        BF16=k_cache.dtype == torch.bfloat16 and (key.dtype != torch.bfloat16 or rot is not None),
+        BF16=k_cache.dtype == torch.bfloat16
+        and (key.dtype != torch.bfloat16 or rot is not None or kb is not None),
         BLOCK_H=triton.next_power_of_2(max(kv_heads, 16 if rot is not None else 1)),
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)) if rot is not None
         else triton.next_power_of_2(head_dim),
-        ROTATE=rot is not None,
+        ROTATE=rot is not None, BALANCE=kb is not None,
     )
 
 
@@ -198,3 +214,14 @@ def check_rotation(rotation: torch.Tensor | None, head_dim: int,
         raise ValueError(f"rotation has shape {tuple(rotation.shape)}, expected "
                          f"({head_dim}, {head_dim})")
     return rotation.to(device=device, dtype=torch.float32).contiguous()
+
+
+def check_k_balance(kb: KBalanceLayer | None, kv_heads: int, head_dim: int,
+                    device: torch.device) -> KBalanceLayer | None:
+    """The K balance as the kernels read it: contiguous float32 [kv_heads, head_dim] on device."""
+    if kb is None:
+        return None
+    if kb.shift.shape != (kv_heads, head_dim):
+        raise ValueError(f"K balance has shape {tuple(kb.shift.shape)}, expected "
+                         f"({kv_heads}, {head_dim})")
+    return kb.to(device)

@@ -60,7 +60,11 @@ def test_kv_rotation_is_a_knob_next_to_the_dtype(qtbot):
     qtbot.addWidget(panel)
     panel.show_config(dict(CONFIG, kv_dtype="int8", kv_rotation="auto"))
     assert panel.kv_rotation.currentText() == "auto"
-    assert "Hadamard-rotated" in panel.rotation_note.text()  # auto rotates int8
+    assert "Hadamard-rotated" in panel.rotation_note.text()  # auto: calibrated for int8
+    assert "calibrated" in panel.rotation_note.text()
+    panel.kv_rotation.setCurrentText("hadamard")
+    assert "Hadamard-rotated" in panel.rotation_note.text()
+    assert "calibrated" not in panel.rotation_note.text()
     panel.kv_rotation.setCurrentText("none")
     assert "unrotated" in panel.rotation_note.text()
     with qtbot.waitSignal(panel.reconfigureRequested) as sig:
@@ -72,7 +76,9 @@ def test_kv_rotation_is_a_knob_next_to_the_dtype(qtbot):
     panel.kv_rotation.setCurrentText("auto")
     assert panel.rotation_note.text() == "unrotated"  # auto leaves 2-byte KV alone
     panel.kv_dtype.setCurrentText("fp8")
-    assert "unrotated (the default for fp8)" in panel.rotation_note.text()
+    assert "calibrated" in panel.rotation_note.text()  # auto: calibrated for fp8 too
+    assert [panel.kv_rotation.itemText(i) for i in range(panel.kv_rotation.count())] == \
+        ["auto", "calibrated", "hadamard", "none"]
 
 
 def test_an_engine_without_the_rotation_option_is_not_sent_one(qtbot):

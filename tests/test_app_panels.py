@@ -178,9 +178,11 @@ def test_kv_calculator_hints_come_from_the_measured_table(qtbot):
         panel.dtype.setCurrentText(dtype)
         plain = accuracy.MEASURED[(dtype, "none")]
         assert f"{plain.prefix:.0%}" in panel.accuracy.text(), dtype
-        rotated = accuracy.MEASURED.get((dtype, "hadamard"))
+        rotated = accuracy.MEASURED.get((dtype, "calibrated"))
+        assert (rotated is not None) == (dtype in ("int8", "fp8"))  # the 1-byte defaults
         if rotated:
             assert f"{rotated.prefix:.0%} of a greedy reply" in panel.accuracy.text()
             assert f"KL {rotated.kl:.2g}" in panel.accuracy.text()
+            assert "the default" in panel.accuracy.text()
     panel.dtype.setCurrentText("float32")
     assert "reference" in panel.accuracy.text()

@@ -69,4 +69,7 @@ def test_the_kv_rotation_is_shown_with_the_dtype(qtbot):
     bar.show_stats(stats_frame(kv_dtype="fp8", kv_rotation="hadamard",
                                kv_rotation_matrix="random orthogonal"))
     assert "KV fp8 + random orthogonal ·" in bar.engine_label.text()
+    bar.show_stats(stats_frame(kv_dtype="int8", kv_rotation="calibrated",
+                               kv_rotation_matrix="Hadamard"))
+    assert "KV int8 + Hadamard + K balance ·" in bar.engine_label.text()
     bar.stop_watching()

@@ -99,9 +99,14 @@ def test_scoring_equals_hugging_face_log_probs(path):
 # The tiny random model has no outlier channels for the rotation to spread (observed KL
 # int8 0.0014 / 0.0017 and fp8 0.043 / 0.053 unrotated / rotated): both settings must stay
 # close; what the rotation gains is measured on the embedded model by `kvscope kv-accuracy`.
+# "calibrated" fits its K shift and gains on a text, and this test's prompts are random token
+# ids, whose keys a random model gives no shared structure: there the calibration costs
+# (observed int8 0.0092, fp8 0.24; README "KV dtypes"), so its bounds here are looser -- they
+# still catch a broken transform, which gives nonsense.
 @pytest.mark.parametrize("kv_dtype,rotation,max_kl", [
     ("bfloat16", "auto", 1e-3), ("int8", "none", 1e-2), ("int8", "hadamard", 1e-2),
-    ("fp8", "none", 5e-2), ("fp8", "hadamard", 8e-2)])
+    ("int8", "calibrated", 3e-2), ("fp8", "none", 5e-2), ("fp8", "hadamard", 8e-2),
+    ("fp8", "calibrated", 0.5)])
 def test_quantized_kv_stays_close_to_float32(path, kv_dtype, rotation, max_kl):
     ids = random_prompts([60], seed=8)[0]
     ref = LLM(EngineConfig(model=str(path), block_size=8, num_kv_blocks=64))

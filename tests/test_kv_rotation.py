@@ -136,16 +136,18 @@ def test_invalid_rotation_names_it():
 
 
 @pytest.mark.parametrize("kv_dtype,setting,expected", [
-    ("int8", "auto", "hadamard"), ("fp8", "auto", "none"), ("float32", "auto", "none"),
-    ("fp8", "hadamard", "hadamard"),
+    ("int8", "auto", "calibrated"), ("fp8", "auto", "calibrated"), ("float32", "auto", "none"),
+    ("fp8", "hadamard", "hadamard"), ("int8", "hadamard", "hadamard"),
     ("bfloat16", "auto", "none"), ("int8", "none", "none"), ("float32", "hadamard", "hadamard"),
+    ("float32", "calibrated", "calibrated"),
 ])
-def test_auto_rotates_exactly_the_int8_pools(path, kv_dtype, setting, expected):
+def test_auto_rotates_and_balances_exactly_the_one_byte_pools(path, kv_dtype, setting, expected):
     llm = LLM(EngineConfig(model=str(path), kv_dtype=kv_dtype, kv_rotation=setting,
                            num_kv_blocks=16))
     stats = llm.stats()
     assert stats["kv_rotation"] == expected
-    assert (llm.engine.pool.rotation is not None) == (expected == "hadamard")
+    assert (llm.engine.pool.rotation is not None) == (expected != "none")
+    assert (llm.engine.pool.k_balance is not None) == (expected == "calibrated")
 
 
 def test_rotation_keeps_bytes_per_token(path):
@@ -154,7 +156,7 @@ def test_rotation_keeps_bytes_per_token(path):
                                kv_cache_bytes=1 << 20))
         return llm.stats()["kv_bytes_per_token"], llm.stats()["num_kv_blocks"]
 
-    assert per_token("hadamard") == per_token("none")
+    assert per_token("calibrated") == per_token("hadamard") == per_token("none")
 
 
 @pytest.mark.parametrize("model", ["path", "odd_path"])
@@ -163,11 +165,11 @@ def test_float32_greedy_is_unchanged_by_rotation(request, model):
     prompts = random_prompts([9, 25, 4], seed=11)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     outs = {}
-    for rotation in ("none", "hadamard"):
+    for rotation in ("none", "hadamard", "calibrated"):
         llm = LLM(EngineConfig(model=str(model), kv_dtype="float32", kv_rotation=rotation,
                                block_size=4, num_kv_blocks=64))
         outs[rotation] = [o.token_ids for o in llm.generate(prompts, params)]
-    assert outs["hadamard"] == outs["none"]
+    assert outs["hadamard"] == outs["none"] == outs["calibrated"]
 
 
 def test_rotation_changes_live_without_losing_a_request(path):

@@ -28,7 +28,8 @@ def replay(capsys, model, recorded, out, *options):
                              "--json", "-o", str(out)])
 
 
-@pytest.mark.parametrize("options,rotation", [([], "hadamard"),
+@pytest.mark.parametrize("options,rotation", [([], "calibrated"),
+                                              (["--kv-rotation", "hadamard"], "hadamard"),
                                               (["--kv-rotation", "none"], "none")])
 def test_int8_replay_records_the_rotation(model, recorded, tmp_path, capsys, options, rotation):
     out = tmp_path / "r.jsonl"
@@ -38,12 +39,14 @@ def test_int8_replay_records_the_rotation(model, recorded, tmp_path, capsys, opt
     assert (header.kv_dtype, header.kv_rotation) == ("int8", rotation)
 
 
-def test_float32_replay_with_rotation_reproduces_the_outputs(model, recorded, tmp_path, capsys):
-    """Rotation is exact in float32: greedy outputs stay identical to the recording."""
+@pytest.mark.parametrize("rotation", ["hadamard", "calibrated"])
+def test_float32_replay_with_rotation_reproduces_the_outputs(model, recorded, tmp_path, capsys,
+                                                             rotation):
+    """Rotation and K balance are exact in float32: greedy outputs equal the recording's."""
     assert read_trace(recorded).header.kv_rotation == "none"
     s = replay(capsys, model, recorded, tmp_path / "r.jsonl", "--kv-dtype", "float32",
-               "--kv-rotation", "hadamard")
-    assert s["kv_rotation"] == "hadamard"
+               "--kv-rotation", rotation)
+    assert s["kv_rotation"] == rotation
     assert s["outputs_identical"] is True and s["outputs_compared"] == 4
 
 
@@ -57,5 +60,5 @@ def test_a_live_rotation_change_is_in_the_trace(model, tmp_path):
     llm.engine.reconfigure(kv_rotation="none")
     llm.engine.stop_trace()
     trace = read_trace(path)
-    assert trace.header.kv_rotation == "hadamard"
+    assert trace.header.kv_rotation == "calibrated"
     assert [e.kv_rotation for e in trace.of_type(Reconfigure)] == ["none"]

@@ -19,9 +19,9 @@ from PySide6.QtWidgets import (
 
 BLOCK_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 KV_DTYPES = ["auto", "float32", "float16", "bfloat16", "int8", "fp8"]
-KV_ROTATIONS = ["auto", "hadamard", "none"]
+KV_ROTATIONS = ["auto", "calibrated", "hadamard", "none"]
 ONE_BYTE = ("int8", "fp8")
-ROTATED_BY_DEFAULT = ("int8",)  # as the engine's "auto" (engine/config.py)
+ROTATED_BY_DEFAULT = ("int8", "fp8")  # "auto" is "calibrated" for these (engine/config.py)
 MIB = 1024 * 1024
 KEYS = ("block_size", "kv_dtype", "kv_rotation", "kv_cache_bytes", "max_num_seqs",
         "max_num_batched_tokens", "enable_prefix_caching")
@@ -41,9 +41,11 @@ class ControlsPanel(QWidget):
         self.kv_rotation = QComboBox()
         self.kv_rotation.addItems(KV_ROTATIONS)
         self.kv_rotation.setToolTip(
-            "Rotate q, k and v by a Hadamard matrix before the KV cache stores them (and the "
-            "output back): exact in full precision, same bytes per token; int8 KV keeps more "
-            "of the answers (fp8 measured no better). auto: on for int8, off otherwise.")
+            "hadamard: rotate q, k and v by a Hadamard matrix before the KV cache stores them "
+            "(and the output back). calibrated: also shift the keys by a constant and balance "
+            "q/k channels, calibrated once per model. Both exact in full precision, same bytes "
+            "per token; 1-byte KV keeps more of the answers. auto: calibrated for int8/fp8, "
+            "off otherwise.")
         self.rotation_note = QLabel("")
         self.rotation_note.setObjectName("note")
         self.rotation_note.setWordWrap(True)
@@ -157,18 +159,20 @@ class ControlsPanel(QWidget):
 
     def _show_rotation_note(self) -> None:
         """What the chosen rotation means for the chosen dtype (auto resolves as the engine
-        does: rotated exactly when the KV is int8)."""
+        does: calibrated exactly when the KV is int8 or fp8)."""
         dtype, rotation = self.kv_dtype.currentText(), self.kv_rotation.currentText()
-        rotated = rotation == "hadamard" or (rotation == "auto" and dtype in ROTATED_BY_DEFAULT)
-        if rotated and dtype in ONE_BYTE:
-            text = f"{dtype} KV stored Hadamard-rotated: outliers spread before quantizing"
-        elif rotated:
+        if rotation == "auto":
+            rotation = "calibrated" if dtype in ROTATED_BY_DEFAULT else "none"
+        if rotation == "none":
+            text = f"{dtype} KV unrotated: outlier channels cost accuracy" \
+                if dtype in ONE_BYTE else "unrotated"
+        elif dtype not in ONE_BYTE:
             text = "rotated (exact at this precision; nothing to gain)"
-        elif dtype in ONE_BYTE:
-            text = f"{dtype} KV unrotated" + (" (the default for fp8)" if dtype == "fp8" else
-                                              ": outlier channels cost accuracy")
+        elif rotation == "calibrated":
+            text = (f"{dtype} KV stored Hadamard-rotated, keys shifted and q/k-balanced "
+                    "(calibrated): the default")
         else:
-            text = "unrotated"
+            text = f"{dtype} KV stored Hadamard-rotated: outliers spread before quantizing"
         self.rotation_note.setText(text)
 
     def show_applied(self, config: dict) -> None:

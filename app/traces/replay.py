@@ -24,6 +24,8 @@ from app.engine_process import engine_qprocess
 from app.traces.file import TraceFileError, read_series
 from app.traces.plot import TraceOverlayPlot
 
+# How the trace header's KV rotation reads after the dtype (traces before rotation: none).
+ROTATION_SUFFIX = {"hadamard": " + rotated", "calibrated": " + rotated, K-balanced"}
 COMPARE_KEYS = ("duration_s", "throughput_tok_s", "steps", "ttft_p50_ms", "ttft_p90_ms",
                 "itl_p50_ms", "itl_p90_ms", "preemptions", "kv_usage_peak", "kv_usage_mean",
                 "internal_waste_mean", "output_tokens")
@@ -137,7 +139,7 @@ class TraceReplayPanel(QWidget):
         note = " (cut off at the end)" if series.truncated else ""
         self.trace_label.setText(
             f"{path}{note}\n{h.get('model')} · block {h.get('block_size')} · KV "
-            f"{h.get('kv_dtype')}{' + rotated' if h.get('kv_rotation') == 'hadamard' else ''}"
+            f"{h.get('kv_dtype')}{ROTATION_SUFFIX.get(h.get('kv_rotation'), '')}"
             f" · {len(series.t)} steps")
         self.replay_button.setEnabled(not self.busy)
         self.status.setText("")

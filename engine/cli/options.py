@@ -27,7 +27,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES)
     g.add_argument("--kv-rotation", default="auto", choices=KV_ROTATIONS,
-                   help="rotate q/k/v (Hadamard) before the KV cache stores them; auto: int8 only")
+                   help="rotate q/k/v (Hadamard) before the KV cache stores them; calibrated: "
+                        "plus the exact K shift and q/k balance; auto: calibrated for int8/fp8")
     g.add_argument("--kv-cache-bytes", type=parse_bytes, default=DEFAULT_KV_CACHE_BYTES,
                    help="KV memory budget, e.g. 268435456, 256M or 1G")
     g.add_argument("--num-kv-blocks", type=int, default=None)

@@ -31,7 +31,7 @@ class Header(_Line, tag="header"):
     wall_time: float
     monotonic: float
     include_prompts: bool
-    kv_rotation: str = "none"  # resolved: "hadamard" or "none" (traces before it: "none")
+    kv_rotation: str = "none"  # resolved: "calibrated", "hadamard" or "none" (older traces: "none")
 
 
 class Arrival(_Line, tag="arrival"):
