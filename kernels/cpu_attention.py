@@ -8,9 +8,6 @@ Prefill chunks take the torch reference.
 """
 from __future__ import annotations
 
-import functools
-from concurrent.futures import ThreadPoolExecutor
-
 import torch
 
 from kernels import native
@@ -18,8 +15,6 @@ from kernels.attention_ref import AttentionMetadata, paged_attention_ref
 
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3,
          torch.float8_e4m3fn: 4}
-# Below this many decode rows a second thread costs more to hand work to than it saves.
-SPLIT_MIN_ROWS = 4
 ENV = native.ENV
 enabled = native.enabled
 available = native.available
@@ -28,11 +23,6 @@ available = native.available
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return (query.device.type == "cpu" and k_cache.dtype in KINDS and k_cache.is_contiguous()
             and available())
-
-
-@functools.cache
-def _executor() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvscope-attn")
 
 
 def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -77,18 +67,11 @@ def _run(out, q, rows, tables, lens, k_cache, v_cache, k_scale, v_scale, scale) 
     lib = native.library()
     _, block_size, kv_heads, head_dim = k_cache.shape
     ptr = lambda t: None if t is None else t.data_ptr()
-    def call(first: int, last: int) -> int:
-        return lib.kvscope_paged_decode(
-            out.data_ptr(), q.data_ptr(), rows.data_ptr(), tables.data_ptr(), tables.shape[1],
-            lens.data_ptr(), first, last, k_cache.data_ptr(), v_cache.data_ptr(),
-            ptr(k_scale), ptr(v_scale), q.shape[1], kv_heads, head_dim, block_size,
-            KINDS[k_cache.dtype], scale)
-    n = len(rows)
-    if n >= SPLIT_MIN_ROWS and torch.get_num_threads() > 1:
-        # ctypes lets go of the GIL during the call: the two halves run side by side.
-        half = _executor().submit(call, n // 2, n)
-        status = call(0, n // 2) | half.result()
-    else:
-        status = call(0, n)
+    status = lib.kvscope_paged_decode(
+        out.data_ptr(), q.data_ptr(), rows.data_ptr(), tables.data_ptr(), tables.shape[1],
+        lens.data_ptr(), 0, len(rows), k_cache.data_ptr(), v_cache.data_ptr(), ptr(k_scale),
+        ptr(v_scale), q.shape[1], kv_heads, head_dim, block_size, KINDS[k_cache.dtype], scale)
+    # One thread: splitting the rows over a second Python thread measured slower here (the
+    # other core is busy with the spin-wait of torch's OpenMP threads after each matmul).
     if status:
         raise MemoryError("the CPU attention kernel could not allocate its score buffer")

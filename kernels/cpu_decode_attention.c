@@ -3,17 +3,16 @@
  *
  * Built and loaded by kernels/cpu_attention.py (plain C, no torch headers: it builds in about
  * a second). The torch reference (kernels/attention_ref.py) is the oracle it is tested
- * against. For each (sequence, KV head): the query heads that share the KV head score every
- * cached token (K dequantized in registers for 1-byte pools), an exact softmax over the
- * scores, then the weighted sum of V. Accumulation is in float32 whatever the pool holds.
+ * against. For each sequence: every query head scores every cached token (K dequantized in
+ * registers for 1-byte pools; the query heads that share a KV head are scored against its row
+ * together), an exact softmax over the scores, then the weighted sum of V, reading the cache
+ * front to back once for K and once for V. Accumulation is in float32 whatever the pool
+ * holds.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-
-/* Keys scored together: one 512-bit vector of float32 scores. */
-#define CHUNK 16
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_I8 = 3, KV_FP8 = 4 };
 
@@ -111,40 +110,33 @@ static inline __attribute__((always_inline)) float dot(const float *a, const flo
     return acc;
 }
 
-/* One (sequence, KV head): the `group` query rows q [group, d] that share the head attend to
- * its `len` cached tokens; out [group, d]. Walks the block table block by block (no division
- * per token). scores: [group * len] scratch, row/acc: [d] and [group * d] scratch. */
-static inline __attribute__((always_inline)) void attend_head(float *out, const float *q, const int64_t *table, int64_t len,
-                        int64_t h, const void *k_cache, const void *v_cache,
-                        const float *k_scale, const float *v_scale, int64_t group,
-                        int64_t num_kv_heads, int64_t d, int64_t block_size, int kind,
-                        float sm_scale, float *scores, float *row, float *acc, float *kt) {
+/* One sequence: its query heads q [heads, d] attend to its `len` cached tokens; out
+ * [heads, d]. Walks the block table block by block (no division per token), and in a block
+ * slot by slot with every KV head of the slot in turn, so the cache is read front to back,
+ * once for K and once for V (a block is [block_size, kv_heads, d]). The `group` query heads
+ * that share a KV head are scored against its row together. scores: [heads * len] scratch,
+ * row [d], acc [heads * d]. */
+static inline __attribute__((always_inline)) void attend_seq(
+        float *out, const float *q, const int64_t *table, int64_t len, const void *k_cache,
+        const void *v_cache, const float *k_scale, const float *v_scale, int64_t group,
+        int64_t num_kv_heads, int64_t d, int64_t block_size, int kind, float sm_scale,
+        float *scores, float *row, float *acc) {
+    const int64_t heads = group * num_kv_heads;
     for (int64_t start = 0, b = 0; start < len; start += block_size, b++) {
         int64_t n = len - start < block_size ? len - start : block_size;
-        int64_t at = table[b] * block_size * num_kv_heads + h;
-        for (int64_t j0 = 0; j0 < n; j0 += CHUNK) {
-            int64_t m = n - j0 < CHUNK ? n - j0 : CHUNK;
-            /* CHUNK keys transposed, kt[i][j]: every query then scores them with one
-             * vector FMA per channel and no horizontal sums. */
-            for (int64_t j = 0; j < m; j++, at += num_kv_heads) {
+        int64_t at = table[b] * block_size * num_kv_heads;
+        for (int64_t j = 0; j < n; j++) {
+            for (int64_t h = 0; h < num_kv_heads; h++, at++) {
                 load_row(row, k_cache, at * d, d, kind, k_scale ? k_scale[at] : 1.0f);
-                for (int64_t i = 0; i < d; i++) kt[i * CHUNK + j] = row[i];
-            }
-            for (int64_t g = 0; g < group; g++) {
-                float sc[CHUNK] = {0};
-                const float *qg = q + g * d;
-                for (int64_t i = 0; i < d; i++) {
-                    float qi = qg[i];
-                    const float *k = kt + i * CHUNK;
-#pragma omp simd
-                    for (int64_t j = 0; j < CHUNK; j++) sc[j] += qi * k[j];
+                for (int64_t g = 0; g < group; g++) {
+                    int64_t qh = h * group + g;
+                    scores[qh * len + start + j] = dot(q + qh * d, row, d) * sm_scale;
                 }
-                for (int64_t j = 0; j < m; j++) scores[g * len + start + j0 + j] = sc[j] * sm_scale;
             }
         }
     }
-    for (int64_t g = 0; g < group; g++) {
-        float *s = scores + g * len, m = -INFINITY, sum = 0.0f;
+    for (int64_t qh = 0; qh < heads; qh++) {
+        float *s = scores + qh * len, m = -INFINITY, sum = 0.0f;
         for (int64_t t = 0; t < len; t++) m = s[t] > m ? s[t] : m;
 #pragma omp simd
         for (int64_t t = 0; t < len; t++) s[t] = exp_nonpositive(s[t] - m);
@@ -152,34 +144,36 @@ static inline __attribute__((always_inline)) void attend_head(float *out, const 
         float inv = 1.0f / sum;
         for (int64_t t = 0; t < len; t++) s[t] *= inv;
     }
-    memset(acc, 0, sizeof(float) * (size_t)(group * d));
+    memset(acc, 0, sizeof(float) * (size_t)(heads * d));
     for (int64_t start = 0, b = 0; start < len; start += block_size, b++) {
         int64_t n = len - start < block_size ? len - start : block_size;
-        int64_t at = table[b] * block_size * num_kv_heads + h;
-        for (int64_t j = 0; j < n; j++, at += num_kv_heads) {
-            load_row(row, v_cache, at * d, d, kind, v_scale ? v_scale[at] : 1.0f);
-            for (int64_t g = 0; g < group; g++) {
-                float p = scores[g * len + start + j], *a = acc + g * d;
+        int64_t at = table[b] * block_size * num_kv_heads;
+        for (int64_t j = 0; j < n; j++) {
+            for (int64_t h = 0; h < num_kv_heads; h++, at++) {
+                load_row(row, v_cache, at * d, d, kind, v_scale ? v_scale[at] : 1.0f);
+                for (int64_t g = 0; g < group; g++) {
+                    int64_t qh = h * group + g;
+                    float p = scores[qh * len + start + j], *a = acc + qh * d;
 #pragma omp simd
-                for (int64_t k = 0; k < d; k++) a[k] += p * row[k];
+                    for (int64_t k = 0; k < d; k++) a[k] += p * row[k];
+                }
             }
         }
     }
-    memcpy(out, acc, sizeof(float) * (size_t)(group * d));
+    memcpy(out, acc, sizeof(float) * (size_t)(heads * d));
 }
 
-/* attend_head compiled once per storage kind, and once more for head_dim 64 (SmolLM2,
+/* attend_seq compiled once per storage kind, and once more for head_dim 64 (SmolLM2,
  * Llama-style small models): with the kind and the width constant, the conversion and the
  * dot products unroll into straight vector code. */
 #define SPECIALISE(name, KIND, D)                                                          \
     static void name(float *out, const float *q, const int64_t *table, int64_t len,        \
-                     int64_t h, const void *kc, const void *vc, const float *ks,            \
-                     const float *vs, int64_t group, int64_t kvh, int64_t d, int64_t bs,    \
-                     int kind, float sm, float *scores, float *row, float *acc,             \
-                     float *kt) {                                                           \
-        (void)kind;                                                                         \
-        attend_head(out, q, table, len, h, kc, vc, ks, vs, group, kvh, D, bs, KIND, sm,     \
-                    scores, row, acc, kt);                                                  \
+                     const void *kc, const void *vc, const float *ks, const float *vs,      \
+                     int64_t group, int64_t kvh, int64_t d, int64_t bs, float sm,           \
+                     float *scores, float *row, float *acc) {                               \
+        (void)d;                                                                            \
+        attend_seq(out, q, table, len, kc, vc, ks, vs, group, kvh, D, bs, KIND, sm,         \
+                   scores, row, acc);                                                       \
     }
 SPECIALISE(attend_f32, KV_F32, d)
 SPECIALISE(attend_bf16, KV_BF16, d)
@@ -192,10 +186,9 @@ SPECIALISE(attend_f16_64, KV_F16, 64)
 SPECIALISE(attend_i8_64, KV_I8, 64)
 SPECIALISE(attend_fp8_64, KV_FP8, 64)
 
-typedef void (*attend_fn)(float *, const float *, const int64_t *, int64_t, int64_t,
-                          const void *, const void *, const float *, const float *, int64_t,
-                          int64_t, int64_t, int64_t, int, float, float *, float *, float *,
-                          float *);
+typedef void (*attend_fn)(float *, const float *, const int64_t *, int64_t, const void *,
+                          const void *, const float *, const float *, int64_t, int64_t,
+                          int64_t, int64_t, float, float *, float *, float *);
 
 static attend_fn pick(int kind, int64_t d) {
     static const attend_fn any[] = {attend_f32, attend_bf16, attend_f16, attend_i8, attend_fp8};
@@ -217,17 +210,15 @@ int kvscope_paged_decode(float *out, const float *query, const int64_t *rows,
     const int64_t group = num_heads / num_kv_heads, d = head_dim;
     int64_t max_len = 0;
     for (int64_t i = first; i < last; i++) max_len = lens[i] > max_len ? lens[i] : max_len;
-    float *scores = malloc(sizeof(float) * (size_t)(group * max_len + (group + 1 + CHUNK) * d));
+    float *scores = malloc(sizeof(float) * (size_t)(num_heads * (max_len + d) + d));
     if (!scores) return 1;
-    float *row = scores + group * max_len, *acc = row + d, *kt = acc + group * d;
+    float *row = scores + num_heads * max_len, *acc = row + d;
     attend_fn attend = pick(kind, d);
     for (int64_t i = first; i < last; i++) {
-        for (int64_t h = 0; h < num_kv_heads; h++) {
-            int64_t at = (rows[i] * num_heads + h * group) * d;
-            attend(out + at, query + at, tables + i * table_stride, lens[i], h, k_cache,
-                   v_cache, k_scale, v_scale, group, num_kv_heads, d, block_size, kind,
-                   sm_scale, scores, row, acc, kt);
-        }
+        int64_t at = rows[i] * num_heads * d;
+        attend(out + at, query + at, tables + i * table_stride, lens[i], k_cache, v_cache,
+               k_scale, v_scale, group, num_kv_heads, d, block_size, sm_scale, scores, row,
+               acc);
     }
     free(scores);
     return 0;
