@@ -22,15 +22,8 @@ import sys
 
 from benchmarks import kv_accuracy
 
-CALIBRATION = (
-    "The museum opened its new wing on a rainy Tuesday. Visitors queued under umbrellas, "
-    "children pressed their faces to the glass, and a string quartet played in the atrium. "
-    "def merge(a, b):\n    out = []\n    while a and b:\n        out.append(a.pop(0) if a[0] "
-    "< b[0] else b.pop(0))\n    return out + a + b\n"
-    "Q: How many legs does a spider have? A: Eight. Q: And an insect? A: Six. "
-    "In 1905 Einstein published four papers that changed physics: on the photoelectric "
-    "effect, Brownian motion, special relativity and the equivalence of mass and energy."
-)
+# The engine's own calibration text (the "calibrated" rotation measures on it too).
+from engine.kv_calibration import CALIBRATION_TEXT as CALIBRATION
 
 
 def key_means(engine, token_ids):
