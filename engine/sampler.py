@@ -10,7 +10,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """logits: [S, vocab] float32, one row per sequence in seqs."""
     tokens = greedy_tokens(logits)
     for i, seq in enumerate(seqs):
-        if seq.params.temperature != 0:  # = not params.greedy, without a property call a row
+        if not seq.params.greedy:
             tokens[i] = sample_row(logits[i], seq)
     return tokens
 

@@ -148,21 +148,14 @@ def _decode_attention(query, pool, plan: DecodePlan, scale) -> torch.Tensor:
     k_cache, v_cache, k_scale, v_scale = pool
     _, _, kv_heads, head_dim = k_cache.shape
     b, heads = plan.num_seqs, query.shape[1]
-    k = _gather(k_cache, plan.flat_blocks, k_scale).view(b, plan.span, kv_heads, head_dim)
-    v = _gather(v_cache, plan.flat_blocks, v_scale).view(b, plan.span, kv_heads, head_dim)
+    k = gather_blocks(k_cache, plan.flat_blocks, k_scale, torch.float32)
+    v = gather_blocks(v_cache, plan.flat_blocks, v_scale, torch.float32)
+    k = k.view(b, plan.span, kv_heads, head_dim)
+    v = v.view(b, plan.span, kv_heads, head_dim)
     q = query[plan.rows].float().view(b, kv_heads, heads // kv_heads, head_dim)
     o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
                                        attn_mask=plan.mask, scale=scale)
     return o.view(b, heads, head_dim)
-
-
-def _gather(cache: torch.Tensor, flat: torch.Tensor, scales: torch.Tensor | None
-            ) -> torch.Tensor:
-    """cache[flat] as float32 [n, block_size, kv_heads, head_dim], dequantized if needed."""
-    if scales is None:
-        return cache.index_select(0, flat).float()
-    codes = cache.view(torch.uint8).index_select(0, flat).view(cache.dtype)
-    return dequantize(codes, scales.index_select(0, flat))
 
 
 def _prefill_attention(query, pool, meta, i, scale, out) -> None:

@@ -15,14 +15,11 @@ from kernels.attention_ref import AttentionMetadata, paged_attention_ref
 
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3,
          torch.float8_e4m3fn: 4}
-ENV = native.ENV
-enabled = native.enabled
-available = native.available
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return (query.device.type == "cpu" and k_cache.dtype in KINDS and k_cache.is_contiguous()
-            and available())
+            and native.available())
 
 
 def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -31,29 +28,31 @@ def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                         v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """As kernels.attention_ref.paged_attention_ref: decode rows through the kernel, prefill
     chunks through the reference."""
-    rows, seqs, lens = decode_rows(meta)
+    rows, tables, lens = decode_rows(meta)
     if not len(rows):
         return paged_attention_ref(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
     q = query.float().contiguous()
-    out = torch.empty_like(q)
-    if meta.prefill_seqs:
-        out[:] = paged_attention_ref(query, k_cache, v_cache, _prefill_only(meta), scale,
-                                     k_scale, v_scale)
-    tables = meta.block_tables.index_select(0, seqs) if len(seqs) < len(meta.context_lens) \
-        else meta.block_tables
-    _run(out, q, rows, tables.contiguous(), lens, k_cache, v_cache, k_scale, v_scale, scale)
+    if meta.prefill_seqs:  # the reference fills the prefill rows; the kernel the rest
+        out = paged_attention_ref(query, k_cache, v_cache, _prefill_only(meta), scale,
+                                  k_scale, v_scale).float().contiguous()
+    else:
+        out = torch.empty_like(q)
+    _run(out, q, rows, tables, lens, k_cache, v_cache, k_scale, v_scale, scale)
     return out.to(query.dtype)
 
 
 def decode_rows(meta: AttentionMetadata):
-    """(query rows, sequence indices, context lengths) of the step's decode rows, int64,
-    worked out once per step and kept on `meta`."""
+    """(query rows, block tables, context lengths) of the step's decode rows, int64 and
+    contiguous, worked out on the first layer's call and kept on `meta`."""
     got = meta.__dict__.get("_cpu_decode_rows")
     if got is None:
         qsl, ctx = meta.query_start_loc, meta.context_lens
         idx = [i for i in range(len(ctx)) if qsl[i + 1] - qsl[i] == 1]
-        got = tuple(torch.tensor(x, dtype=torch.long) for x in
-                    ([qsl[i] for i in idx], idx, [ctx[i] for i in idx]))
+        tables = meta.block_tables
+        if len(idx) < len(ctx):
+            tables = tables.index_select(0, torch.tensor(idx, dtype=torch.long))
+        got = (torch.tensor([qsl[i] for i in idx], dtype=torch.long), tables.contiguous(),
+               torch.tensor([ctx[i] for i in idx], dtype=torch.long))
         meta.__dict__["_cpu_decode_rows"] = got
     return got
 

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from kernels import cpu_attention
+from kernels import cpu_attention, native
 from kernels.attention_ref import AttentionMetadata, paged_attention_ref
 from kernels.k_balance import KBalanceLayer, balance_k, balance_q
 from kernels.kv_write_ref import write_kv_ref
@@ -29,7 +29,7 @@ def backend(device: torch.device | str) -> str:
     if forced in ("", "auto"):
         if device.type == "cuda":
             return "triton"
-        return "cpu" if device.type == "cpu" and cpu_attention.available() else "ref"
+        return "cpu" if device.type == "cpu" and native.available() else "ref"
     if forced not in BACKENDS:
         raise ValueError(f"{ENV}={forced!r} is invalid: expected one of auto, ref, triton")
     if forced == "triton" and device.type != "cuda" \
@@ -70,13 +70,14 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     result is attention over the unrotated K/V. With a `k_balance` the pool's keys are
     ((k - c) * g) @ R and the query attends as (q / g) @ R: every score of a query moves by
     the same q.c, which softmax ignores. The Triton kernel does all of it in registers."""
-    if backend(query.device) == "triton":
+    path = backend(query.device)
+    if path == "triton":
         from kernels.triton_attention import paged_attention_triton
 
         return paged_attention_triton(query, k_cache, v_cache, meta, scale, k_scale, v_scale,
                                       rotation=rotation, k_balance=k_balance)
     attend = paged_attention_ref
-    if backend(query.device) == "cpu" and cpu_attention.supports(query, k_cache):
+    if path == "cpu" and cpu_attention.supports(query, k_cache):
         attend = cpu_attention.paged_attention_cpu
     if rotation is None and k_balance is None:
         return attend(query, k_cache, v_cache, meta, scale, k_scale, v_scale)

@@ -9,17 +9,16 @@ import pytest
 import torch
 from test_attention_ref import build_batch, reference
 
-from kernels import cpu_attention
+from kernels import cpu_attention, native
 from kernels.attention_ref import paged_attention_ref
 from kernels.quant import quantize
 
-pytestmark = pytest.mark.skipif(not cpu_attention.enabled(),
-                                reason=f"{cpu_attention.ENV}=off")
+pytestmark = pytest.mark.skipif(not native.enabled(), reason=f"{native.ENV}=off")
 
 
 def test_the_kernel_builds_here():
     # This machine has a C compiler; a build failure must fail the suite, not skip it.
-    assert cpu_attention.available()
+    assert native.available()
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
@@ -65,7 +64,7 @@ def test_many_decode_rows_of_mixed_lengths():
 
 
 def test_without_a_compiler_the_engine_keeps_the_torch_kernels(monkeypatch, tmp_path, capfd):
-    from kernels import native, ops
+    from kernels import ops
 
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
