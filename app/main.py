@@ -111,6 +111,7 @@ def main(argv: list[str]) -> int:
     from PySide6.QtCore import QTimer
     from PySide6.QtWidgets import QApplication
 
+    from app.gui_gc import GuiThreadCollector
     from app.main_window import MainWindow
 
     app = QApplication.instance() or QApplication([sys.argv[0] if sys.argv else "kvscope"])
@@ -118,6 +119,7 @@ def main(argv: list[str]) -> int:
     app.setOrganizationName("kvscope")
     if STYLE.is_file():
         app.setStyleSheet(STYLE.read_text())
+    GuiThreadCollector(app)  # worker threads must never free a Qt object
     if args.attach_vllm:
         from app.vllm.launch import run as run_vllm_window
 

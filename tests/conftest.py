@@ -1,3 +1,4 @@
+import gc
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -19,8 +20,16 @@ def _app_leak_check(request):
     import app_leaks
 
     request.getfixturevalue("qapp")  # the QApplication exists before the snapshot
+    # As the window does (app/gui_gc.py): no cycle collection in worker threads, where
+    # freeing a Qt wrapper crashes the process; collect here, in the GUI thread, instead.
+    gc.collect()
+    gc.disable()
     before = app_leaks.Snapshot()
-    yield
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.collect()
     leaks = app_leaks.check(before)
     if leaks:
         pytest.fail("the test left these running: " + ", ".join(leaks), pytrace=False)

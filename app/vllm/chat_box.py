@@ -1,8 +1,11 @@
 """Chat with the attached server through its OpenAI API. The request runs on a worker thread that
-only appends text pieces to a locked list; the window's timer moves them into the widgets."""
+only appends text pieces to a locked mailbox; the window's timer moves them into the widgets.
+The worker holds the mailbox and the client, never the widget: a Qt object whose last
+reference drops in a worker thread is destroyed there."""
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass, field
 
 from PySide6.QtGui import QTextCursor
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QVBoxLayout, QWidget
@@ -10,15 +13,44 @@ from PySide6.QtWidgets import QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, 
 from app.vllm.openai_chat import OpenAIChat, OpenAIError
 
 
+@dataclass
+class Mailbox:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    pieces: list[str] = field(default_factory=list)
+    done: str | None = None  # "" when the reply ended well, else the error
+    model: str | None = None
+
+    def take(self) -> tuple[list[str], str | None]:
+        with self.lock:
+            pieces, self.pieces = self.pieces, []
+            done, self.done = self.done, None
+        return pieces, done
+
+
+def ask(client: OpenAIChat, messages: list[dict], box: Mailbox) -> None:
+    """Worker thread: stream one reply into `box`."""
+    try:
+        if box.model is None:
+            models = client.models()
+            if not models:
+                raise OpenAIError("the server lists no models")
+            box.model = models[0]
+        for piece in client.stream_chat(messages, box.model):
+            with box.lock:
+                box.pieces.append(piece)
+        outcome = ""
+    except OpenAIError as exc:
+        outcome = str(exc)
+    with box.lock:
+        box.done = outcome
+
+
 class ChatBox(QWidget):
     def __init__(self, client: OpenAIChat, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.client = client
         self.messages: list[dict] = []
-        self.model: str | None = None
-        self._lock = threading.Lock()
-        self._pieces: list[str] = []
-        self._done: str | None = None  # "" when the reply ended well, else the error
+        self.box = Mailbox()
         self._worker: threading.Thread | None = None
         self._reply = ""
         self.transcript = QPlainTextEdit()
@@ -51,34 +83,21 @@ class ChatBox(QWidget):
         self.input.clear()
         self.messages.append({"role": "user", "content": text})
         self.transcript.appendPlainText(f"You: {text}\nAssistant: ")
-        self._reply, self._done = "", None
+        self._reply = ""
         self.send_button.setEnabled(False)
-        self._worker = threading.Thread(target=self._ask, args=(list(self.messages),),
+        self._worker = threading.Thread(target=ask, args=(self.client, list(self.messages),
+                                                          self.box),
                                         name="kvscope-openai-chat", daemon=True)
         self._worker.start()
         return True
 
-    def _ask(self, messages: list[dict]) -> None:
-        try:
-            if self.model is None:
-                models = self.client.models()
-                if not models:
-                    raise OpenAIError("the server lists no models")
-                self.model = models[0]
-            for piece in self.client.stream_chat(messages, self.model):
-                with self._lock:
-                    self._pieces.append(piece)
-            outcome = ""
-        except OpenAIError as exc:
-            outcome = str(exc)
-        with self._lock:
-            self._done = outcome
+    @property
+    def model(self) -> str | None:
+        return self.box.model
 
     def refresh(self) -> None:
         """Move what the worker received into the widgets (the window's timer calls this)."""
-        with self._lock:
-            pieces, self._pieces = self._pieces, []
-            done, self._done = self._done, None
+        pieces, done = self.box.take()
         if pieces:
             text = "".join(pieces)
             self._reply += text
