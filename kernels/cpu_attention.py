@@ -70,7 +70,5 @@ def _run(out, q, rows, tables, lens, k_cache, v_cache, k_scale, v_scale, scale) 
         out.data_ptr(), q.data_ptr(), rows.data_ptr(), tables.data_ptr(), tables.shape[1],
         lens.data_ptr(), 0, len(rows), k_cache.data_ptr(), v_cache.data_ptr(), ptr(k_scale),
         ptr(v_scale), q.shape[1], kv_heads, head_dim, block_size, KINDS[k_cache.dtype], scale)
-    # One thread: splitting the rows over a second Python thread measured slower here (the
-    # other core is busy with the spin-wait of torch's OpenMP threads after each matmul).
     if status:
         raise MemoryError("the CPU attention kernel could not allocate its score buffer")

@@ -3,11 +3,10 @@
  *
  * Built and loaded by kernels/cpu_attention.py (plain C, no torch headers: it builds in about
  * a second). The torch reference (kernels/attention_ref.py) is the oracle it is tested
- * against. For each sequence: every query head scores every cached token (K dequantized in
- * registers for 1-byte pools; the query heads that share a KV head are scored against its row
- * together), an exact softmax over the scores, then the weighted sum of V, reading the cache
- * front to back once for K and once for V. Accumulation is in float32 whatever the pool
- * holds.
+ * against. For each sequence and KV head: the query heads that share the KV head score every
+ * cached token (K dequantized in registers for 1-byte pools), an exact softmax over the
+ * scores, then the weighted sum of V, reading the head's rows once for K and once for V.
+ * Accumulation is in float32 whatever the pool holds.
  */
 #include <math.h>
 #include <stdint.h>
@@ -110,33 +109,27 @@ static inline __attribute__((always_inline)) float dot(const float *a, const flo
     return acc;
 }
 
-/* One sequence: its query heads q [heads, d] attend to its `len` cached tokens; out
- * [heads, d]. Walks the block table block by block (no division per token), and in a block
- * slot by slot with every KV head of the slot in turn, so the cache is read front to back,
- * once for K and once for V (a block is [block_size, kv_heads, d]). The `group` query heads
- * that share a KV head are scored against its row together. scores: [heads * len] scratch,
- * row [d], acc [heads * d]. */
-static inline __attribute__((always_inline)) void attend_seq(
+/* One sequence and one KV head: the `group` query heads q [group, d] that share KV head h
+ * attend to its `len` cached tokens; out [group, d]. Walks the block table block by block (no
+ * division per token), reading head h's row of each slot (a block is [block_size, kv_heads,
+ * d]): once through K for the scores, an exact softmax, once through V for the weighted sum.
+ * scores: [group * len] scratch, row [d], acc [group * d]. */
+static inline __attribute__((always_inline)) void attend_head(
         float *out, const float *q, const int64_t *table, int64_t len, const void *k_cache,
-        const void *v_cache, const float *k_scale, const float *v_scale, int64_t group,
-        int64_t num_kv_heads, int64_t d, int64_t block_size, int kind, float sm_scale,
-        float *scores, float *row, float *acc) {
-    const int64_t heads = group * num_kv_heads;
+        const void *v_cache, const float *k_scale, const float *v_scale, int64_t h,
+        int64_t group, int64_t num_kv_heads, int64_t d, int64_t block_size, int kind,
+        float sm_scale, float *scores, float *row, float *acc) {
     for (int64_t start = 0, b = 0; start < len; start += block_size, b++) {
         int64_t n = len - start < block_size ? len - start : block_size;
-        int64_t at = table[b] * block_size * num_kv_heads;
-        for (int64_t j = 0; j < n; j++) {
-            for (int64_t h = 0; h < num_kv_heads; h++, at++) {
-                load_row(row, k_cache, at * d, d, kind, k_scale ? k_scale[at] : 1.0f);
-                for (int64_t g = 0; g < group; g++) {
-                    int64_t qh = h * group + g;
-                    scores[qh * len + start + j] = dot(q + qh * d, row, d) * sm_scale;
-                }
-            }
+        int64_t at = table[b] * block_size * num_kv_heads + h;
+        for (int64_t j = 0; j < n; j++, at += num_kv_heads) {
+            load_row(row, k_cache, at * d, d, kind, k_scale ? k_scale[at] : 1.0f);
+            for (int64_t g = 0; g < group; g++)
+                scores[g * len + start + j] = dot(q + g * d, row, d) * sm_scale;
         }
     }
-    for (int64_t qh = 0; qh < heads; qh++) {
-        float *s = scores + qh * len, m = -INFINITY, sum = 0.0f;
+    for (int64_t g = 0; g < group; g++) {
+        float *s = scores + g * len, m = -INFINITY, sum = 0.0f;
         for (int64_t t = 0; t < len; t++) m = s[t] > m ? s[t] : m;
 #pragma omp simd
         for (int64_t t = 0; t < len; t++) s[t] = exp_nonpositive(s[t] - m);
@@ -144,36 +137,33 @@ static inline __attribute__((always_inline)) void attend_seq(
         float inv = 1.0f / sum;
         for (int64_t t = 0; t < len; t++) s[t] *= inv;
     }
-    memset(acc, 0, sizeof(float) * (size_t)(heads * d));
+    memset(acc, 0, sizeof(float) * (size_t)(group * d));
     for (int64_t start = 0, b = 0; start < len; start += block_size, b++) {
         int64_t n = len - start < block_size ? len - start : block_size;
-        int64_t at = table[b] * block_size * num_kv_heads;
-        for (int64_t j = 0; j < n; j++) {
-            for (int64_t h = 0; h < num_kv_heads; h++, at++) {
-                load_row(row, v_cache, at * d, d, kind, v_scale ? v_scale[at] : 1.0f);
-                for (int64_t g = 0; g < group; g++) {
-                    int64_t qh = h * group + g;
-                    float p = scores[qh * len + start + j], *a = acc + qh * d;
+        int64_t at = table[b] * block_size * num_kv_heads + h;
+        for (int64_t j = 0; j < n; j++, at += num_kv_heads) {
+            load_row(row, v_cache, at * d, d, kind, v_scale ? v_scale[at] : 1.0f);
+            for (int64_t g = 0; g < group; g++) {
+                float p = scores[g * len + start + j], *a = acc + g * d;
 #pragma omp simd
-                    for (int64_t k = 0; k < d; k++) a[k] += p * row[k];
-                }
+                for (int64_t k = 0; k < d; k++) a[k] += p * row[k];
             }
         }
     }
-    memcpy(out, acc, sizeof(float) * (size_t)(heads * d));
+    memcpy(out, acc, sizeof(float) * (size_t)(group * d));
 }
 
-/* attend_seq compiled once per storage kind, and once more for head_dim 64 (SmolLM2,
+/* attend_head compiled once per storage kind, and once more for head_dim 64 (SmolLM2,
  * Llama-style small models): with the kind and the width constant, the conversion and the
  * dot products unroll into straight vector code. */
 #define SPECIALISE(name, KIND, D)                                                          \
     static void name(float *out, const float *q, const int64_t *table, int64_t len,        \
                      const void *kc, const void *vc, const float *ks, const float *vs,      \
-                     int64_t group, int64_t kvh, int64_t d, int64_t bs, float sm,           \
-                     float *scores, float *row, float *acc) {                               \
+                     int64_t h, int64_t group, int64_t kvh, int64_t d, int64_t bs,          \
+                     float sm, float *scores, float *row, float *acc) {                     \
         (void)d;                                                                            \
-        attend_seq(out, q, table, len, kc, vc, ks, vs, group, kvh, D, bs, KIND, sm,         \
-                   scores, row, acc);                                                       \
+        attend_head(out, q, table, len, kc, vc, ks, vs, h, group, kvh, D, bs, KIND, sm,     \
+                    scores, row, acc);                                                      \
     }
 SPECIALISE(attend_f32, KV_F32, d)
 SPECIALISE(attend_bf16, KV_BF16, d)
@@ -188,7 +178,7 @@ SPECIALISE(attend_fp8_64, KV_FP8, 64)
 
 typedef void (*attend_fn)(float *, const float *, const int64_t *, int64_t, const void *,
                           const void *, const float *, const float *, int64_t, int64_t,
-                          int64_t, int64_t, float, float *, float *, float *);
+                          int64_t, int64_t, int64_t, float, float *, float *, float *);
 
 static attend_fn pick(int kind, int64_t d) {
     static const attend_fn any[] = {attend_f32, attend_bf16, attend_f16, attend_i8, attend_fp8};
@@ -197,10 +187,19 @@ static attend_fn pick(int kind, int64_t d) {
     return d == 64 ? d64[kind] : any[kind];
 }
 
+/* Below this many cached rows in a call, a parallel region costs more than it saves. */
+#define PARALLEL_MIN_ROWS 2048
+
 /* Sequences [first, last) of the batch. query/out: [*, num_heads, head_dim] float32;
  * caches: [num_blocks, block_size, num_kv_heads, head_dim]; scales (1-byte pools):
  * [num_blocks, block_size, num_kv_heads] float32, else NULL. rows[i]: the query row of
- * sequence i; tables[i * table_stride + j]: its j-th block; lens[i]: its context length. */
+ * sequence i; tables[i * table_stride + j]: its j-th block; lens[i]: its context length.
+ *
+ * The (sequence, KV head) pairs are shared out over OpenMP threads. Built with -fopenmp, this
+ * library binds to the libgomp torch has already loaded (same soname), so these are torch's
+ * own worker threads, already awake from the matmul before, and torch.set_num_threads
+ * governs them; a second thread pool would fight torch's spinning one for the cores.
+ * Returns 1 when a thread could not allocate its scratch. */
 int kvscope_paged_decode(float *out, const float *query, const int64_t *rows,
                          const int64_t *tables, int64_t table_stride, const int64_t *lens,
                          int64_t first, int64_t last, const void *k_cache, const void *v_cache,
@@ -208,18 +207,29 @@ int kvscope_paged_decode(float *out, const float *query, const int64_t *rows,
                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int kind,
                          float sm_scale) {
     const int64_t group = num_heads / num_kv_heads, d = head_dim;
-    int64_t max_len = 0;
-    for (int64_t i = first; i < last; i++) max_len = lens[i] > max_len ? lens[i] : max_len;
-    float *scores = malloc(sizeof(float) * (size_t)(num_heads * (max_len + d) + d));
-    if (!scores) return 1;
-    float *row = scores + num_heads * max_len, *acc = row + d;
-    attend_fn attend = pick(kind, d);
+    int64_t max_len = 0, total = 0;
     for (int64_t i = first; i < last; i++) {
-        int64_t at = rows[i] * num_heads * d;
-        attend(out + at, query + at, tables + i * table_stride, lens[i], k_cache, v_cache,
-               k_scale, v_scale, group, num_kv_heads, d, block_size, sm_scale, scores, row,
-               acc);
+        max_len = lens[i] > max_len ? lens[i] : max_len;
+        total += lens[i] * num_kv_heads;
     }
-    free(scores);
-    return 0;
+    const int64_t items = (last - first) * num_kv_heads;
+    attend_fn attend = pick(kind, d);
+    int failed = 0;
+#pragma omp parallel if (total >= PARALLEL_MIN_ROWS && items > 1) reduction(| : failed)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(group * (max_len + d) + d));
+        if (!scores) failed = 1;
+        float *row = scores ? scores + group * max_len : NULL, *acc = row ? row + d : NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t w = 0; w < items; w++) {
+            if (!scores) continue;
+            int64_t i = first + w / num_kv_heads, h = w % num_kv_heads;
+            int64_t at = (rows[i] * num_heads + h * group) * d;
+            attend(out + at, query + at, tables + i * table_stride, lens[i], k_cache, v_cache,
+                   k_scale, v_scale, h, group, num_kv_heads, d, block_size, sm_scale, scores,
+                   row, acc);
+        }
+        free(scores);
+    }
+    return failed;
 }

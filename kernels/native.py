@@ -1,7 +1,8 @@
 """The native CPU kernels (kernels/cpu_*.c): built on first use with the system C compiler
 into one shared library, loaded with ctypes.
 
-Plain C, no torch headers, so the build takes a second or two (`cc -O3 -march=native`), into
+Plain C, no torch headers, so the build takes a second or two (`cc -O3 -march=native
+-fopenmp`; without OpenMP the kernels run on one thread), into
 a cache folder keyed by the sources, the compiler and the flags (parallel processes build
 beside the target and rename, so none loads half a file). Where no compiler works,
 `library()` is None and the engine keeps the torch reference kernels; `KVSCOPE_CPU_KERNELS=off`
@@ -21,7 +22,8 @@ from pathlib import Path
 HERE = Path(__file__).parent
 SOURCES = (HERE / "cpu_decode_attention.c", HERE / "cpu_decode_glue.c")
 ENV = "KVSCOPE_CPU_KERNELS"
-FLAG_SETS = (["-O3", "-march=native", "-fopenmp-simd"], ["-O3", "-fopenmp-simd"], ["-O2"])
+FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native", "-fopenmp-simd"],
+             ["-O3", "-fopenmp-simd"], ["-O2"])
 
 P, I64, INT, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
@@ -52,6 +54,7 @@ def available() -> bool:
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """Build (once per sources/compiler/flags) and load the kernels; None if that fails."""
+    import torch  # noqa: F401 - first, so the library binds to torch's OpenMP runtime
     compiler = os.environ.get("CC", "cc")
     source = b"".join(p.read_bytes() for p in SOURCES)
     for flags in FLAG_SETS:

@@ -78,3 +78,23 @@ def test_without_a_compiler_the_engine_keeps_the_torch_kernels(monkeypatch, tmp_
         monkeypatch.undo()
         native.library.cache_clear()
     assert native.available()
+
+
+def test_a_batch_shared_over_threads_matches_one_thread_and_the_reference():
+    """Past the kernel's parallel threshold (2048 cached rows in a call) the (sequence, KV head)
+    pairs are shared out over torch's OpenMP threads: the result may not depend on that."""
+    q_lens, ctx_lens = [1] * 12, [200, 7, 130, 64, 1, 90, 333, 16, 48, 150, 2, 77]
+    query, kc, vc, meta, tables = build_batch(q_lens, ctx_lens, 16, 6, 3, 64, num_blocks=120,
+                                              seed=5)
+    assert sum(ctx_lens) * 3 >= 2048
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        shared = cpu_attention.paged_attention_cpu(query, kc, vc, meta, 0.125)
+        torch.set_num_threads(1)
+        alone = cpu_attention.paged_attention_cpu(query, kc, vc, meta, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(shared, alone)
+    want = reference(query, kc, vc, meta, tables, 0.125)
+    torch.testing.assert_close(shared.double(), want, rtol=1e-5, atol=1e-5)
