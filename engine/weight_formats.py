@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import WEIGHT_FORMATS
+from kernels import cpu_linear, ops
 
 INT4_GROUP = 32
 # The packing kernel tiles output rows by 16.
@@ -27,12 +28,17 @@ KERNEL_DTYPE = torch.bfloat16
 
 
 class DenseLinear:
-    """y = x W^T (+ b) in the model's dtype."""
+    """y = x W^T (+ b) in the model's dtype. On the CPU, decode-sized calls go through the
+    native matmul (kernels.cpu_linear), which reads the same weight tensor."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight, self.bias = weight, bias
+        self.native = ops.backend(weight.device) == "cpu" and cpu_linear.supports(weight)
+        self.bias_f32 = None if bias is None or not self.native else bias.float().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return cpu_linear.linear(x, self.weight, self.bias, self.bias_f32)
         return F.linear(x, self.weight, self.bias)
 
     @property

@@ -20,7 +20,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "cpu_decode_attention.c", HERE / "cpu_decode_glue.c")
+SOURCES = (HERE / "cpu_decode_attention.c", HERE / "cpu_decode_glue.c",
+           HERE / "cpu_small_gemm.c")
 ENV = "KVSCOPE_CPU_KERNELS"
 FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native", "-fopenmp-simd"],
              ["-O3", "-fopenmp-simd"], ["-O2"])
@@ -33,7 +34,11 @@ SIGNATURES = {
     "kvscope_add_bf16": [P, P, I64],
     "kvscope_silu_mul_bf16": [P, P, I64, I64],
     "kvscope_rope_write": [P, I64, P, P, P, P, P, P, P, I64, I64, I64, INT],
+    "kvscope_gemm": [P, INT, P, INT, P, INT, P, I64, I64, I64],
 }
+
+
+RETURNS_STATUS = ("kvscope_paged_decode", "kvscope_gemm")
 
 
 def cache_dirs() -> list[Path]:
@@ -66,7 +71,7 @@ def library() -> ctypes.CDLL | None:
         for name, args in SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes = args
-            fn.restype = ctypes.c_int if name == "kvscope_paged_decode" else None
+            fn.restype = ctypes.c_int if name in RETURNS_STATUS else None
         return lib
     return None
 

@@ -1,0 +1,157 @@
+/* y = x W^T (+ b) on the CPU for the few rows of a decode step, straight from torch's
+ * Linear layout (W [N, K] row-major, float32 or bfloat16), no repacking.
+ *
+ * Why: at 1-64 rows a matmul reads every weight once and does little with it, so it should
+ * run at memory bandwidth, yet torch's CPU matmul reaches 3-5 GB/s on float32 and about
+ * 2.5 GB/s on bfloat16 (converted on every call) at 16 rows here. This kernel streams each
+ * weight row once per call: a tile of 4 weight rows (converted to float32 in registers)
+ * against a tile of up to 6 input rows, 24 vector accumulators, reduced at the end of the
+ * row. Accumulation is float32 whatever the weights hold (as torch's), the bfloat16 output is
+ * rounded to nearest even. The 4-row groups are shared out over torch's OpenMP threads (the
+ * library binds to torch's libgomp; see cpu_decode_attention.c).
+ *
+ * GCC/Clang vector extensions, not intrinsics: with -march=native a 16-float vector is one
+ * AVX-512 register, elsewhere the compiler splits it.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { G_F32 = 0, G_BF16 = 1 };
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+
+static inline __attribute__((always_inline)) v16f load16(const void *p, int64_t i, int kind) {
+    v16f f;
+    if (kind == G_F32) {
+        memcpy(&f, (const float *)p + i, 64);
+    } else {
+        v16h h;
+        memcpy(&h, (const uint16_t *)p + i, 32);
+        v16u u = __builtin_convertvector(h, v16u) << 16;
+        memcpy(&f, &u, 64);
+    }
+    return f;
+}
+
+static inline __attribute__((always_inline)) float scalar_at(const void *p, int64_t i,
+                                                             int kind) {
+    if (kind == G_F32) return ((const float *)p)[i];
+    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline __attribute__((always_inline)) float hsum(v16f v) {
+    v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+    v8f b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    a += b;
+    v4f c = __builtin_shufflevector(a, a, 0, 1, 2, 3), d = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    c += d;
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+static inline __attribute__((always_inline)) void store(void *y, int64_t i, float v, int kind) {
+    if (kind == G_F32) {
+        ((float *)y)[i] = v;
+        return;
+    }
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {  /* NaN stays NaN */
+        ((uint16_t *)y)[i] = (uint16_t)((u >> 16) | 0x40);
+        return;
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    ((uint16_t *)y)[i] = (uint16_t)(u >> 16);
+}
+
+/* MT input rows (float32, stride K) against the R weight rows at w (stride K), which are
+ * rows n.. of the whole weight (for the output columns and the bias). */
+#define TILE(MT, R)                                                                         \
+    static void tile_##MT##_##R(void *y, int y_kind, int64_t N, const float *x,            \
+                                const void *w, int w_kind, const float *bias, int64_t K,    \
+                                int64_t n) {                                                \
+        v16f acc[MT][R];                                                                    \
+        for (int m = 0; m < MT; m++)                                                        \
+            for (int r = 0; r < R; r++) acc[m][r] = (v16f){0};                              \
+        for (int64_t k = 0; k < K; k += 16) {                                               \
+            v16f wv[R];                                                                     \
+            for (int r = 0; r < R; r++) wv[r] = load16(w, r * K + k, w_kind);                \
+            for (int m = 0; m < MT; m++) {                                                  \
+                v16f xv;                                                                    \
+                memcpy(&xv, x + m * K + k, 64);                                             \
+                for (int r = 0; r < R; r++) acc[m][r] += xv * wv[r];                       \
+            }                                                                               \
+        }                                                                                   \
+        for (int r = 0; r < R; r++) {                                                       \
+            float b = bias ? bias[n + r] : 0.0f;                                            \
+            for (int m = 0; m < MT; m++) store(y, m * N + n + r, hsum(acc[m][r]) + b, y_kind); \
+        }                                                                                   \
+    }
+
+#define TILES(MT) TILE(MT, 4) TILE(MT, 1)
+TILES(1) TILES(2) TILES(3) TILES(4) TILES(5) TILES(6)
+
+typedef void (*tile_fn)(void *, int, int64_t, const float *, const void *, int, const float *,
+                        int64_t, int64_t);
+static const tile_fn tiles4[] = {0, tile_1_4, tile_2_4, tile_3_4, tile_4_4, tile_5_4, tile_6_4};
+static const tile_fn tiles1[] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile_5_1, tile_6_1};
+
+#define MT_MAX 6
+
+/* y [M, N] (y_kind) = x [M, K] (x_kind) W^T, W [N, K] (w_kind), plus bias [N] (float32)
+ * when not NULL. All contiguous; K a multiple of 16. Returns 1 if scratch could not be had. */
+int kvscope_gemm(void *y, int y_kind, const void *x, int x_kind, const void *w, int w_kind,
+                 const float *bias, int64_t M, int64_t N, int64_t K) {
+    float *xf = (float *)x, *own = NULL;
+    if (x_kind != G_F32) {
+        own = malloc(sizeof(float) * (size_t)(M * K));
+        if (!own) return 1;
+        for (int64_t i = 0; i < M * K; i++) own[i] = scalar_at(x, i, x_kind);
+        xf = own;
+    }
+    const int64_t groups = (N + 3) / 4;
+    const size_t y_size = y_kind == G_F32 ? 4 : 2, w_size = w_kind == G_F32 ? 4 : 2;
+    /* With more input rows than one tile, bfloat16 weights are converted once per group
+     * into float32 scratch rather than once per tile. */
+    const int widen = w_kind != G_F32 && M > MT_MAX;
+    int failed = 0;
+#pragma omp parallel if (N * K >= 65536) reduction(| : failed)
+    {
+        float *wide = widen ? malloc(sizeof(float) * (size_t)(4 * K)) : NULL;
+        if (widen && !wide) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            if (widen && !wide) continue;
+            int64_t n = 4 * g, rows = N - n < 4 ? N - n : 4;
+            const void *wg = (const char *)w + (size_t)(n * K) * w_size;
+            int wk = w_kind;
+            if (widen) {
+                for (int64_t i = 0; i < rows * K; i++) wide[i] = scalar_at(wg, i, w_kind);
+                wg = wide;
+                wk = G_F32;
+            }
+            for (int64_t m = 0; m < M; m += MT_MAX) {
+                int64_t mt = M - m < MT_MAX ? M - m : MT_MAX;
+                char *ym = (char *)y + (size_t)(m * N) * y_size;
+                if (rows == 4) {
+                    tiles4[mt](ym, y_kind, N, xf + m * K, wg, wk, bias, K, n);
+                } else {
+                    for (int64_t r = 0; r < rows; r++)
+                        tiles1[mt](ym, y_kind, N, xf + m * K,
+                                   (const char *)wg + (size_t)(r * K) * (wk == G_F32 ? 4 : 2),
+                                   wk, bias, K, n + r);
+                }
+            }
+        }
+        free(wide);
+    }
+    free(own);
+    return failed;
+}

@@ -1,0 +1,68 @@
+"""kernels/cpu_linear.py (native y = x W^T + b for decode-sized calls) against float64 and
+torch's F.linear, across its tile edges: 6 input rows and 4 weight rows per tile."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_linear, native
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler here")
+
+
+def case(rows, n, k, dtype, bias, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 31])
+@pytest.mark.parametrize("n", [4, 37, 96])
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_matches_float64(rows, n, bias):
+    x, w, b = case(rows, n, 64, torch.float32, bias)
+    assert cpu_linear.supports(w) and cpu_linear.takes(x, w)
+    got = cpu_linear.linear(x, w, b, None if b is None else b.float())
+    want = x.double() @ w.double().t() + (0 if b is None else b.double())
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 16, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bfloat16_rounds_as_torch_does(rows, bias):
+    """Both accumulate in float32 and round once to bfloat16; only the order of the float32
+    sums differs, so results agree to one bfloat16 step (2^-8 relative)."""
+    x, w, b = case(rows, 52, 576, torch.bfloat16, bias, seed=1)
+    got = cpu_linear.linear(x, w, b, None if b is None else b.float())
+    want = F.linear(x, w, b)
+    assert got.dtype == torch.bfloat16
+    exact = x.double() @ w.double().t() + (0 if b is None else b.double())
+    torch.testing.assert_close(got.double(), exact, rtol=2 ** -7, atol=2 ** -7)
+    assert (got.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
+
+
+def test_leading_dims_and_the_row_limit():
+    x, w, _ = case(2 * 3, 20, 32, torch.float32, False)
+    got = cpu_linear.linear(x.view(2, 3, 32), w)
+    assert got.shape == (2, 3, 20)
+    torch.testing.assert_close(got.view(6, 20), F.linear(x, w), rtol=1e-5, atol=1e-6)
+    many = torch.randn(cpu_linear.MAX_ROWS[torch.float32] + 1, 32)
+    assert not cpu_linear.takes(many, w)  # torch's blocked GEMM is faster there
+    assert cpu_linear.takes(many.bfloat16(), w.bfloat16())
+
+
+def test_weights_the_kernel_cannot_take_stay_with_torch():
+    assert not cpu_linear.supports(torch.randn(8, 40))          # K not a multiple of 16
+    assert not cpu_linear.supports(torch.randn(32, 8).t())      # not contiguous
+    assert not cpu_linear.supports(torch.randn(8, 32).half())   # no float16 path
+
+
+def test_a_dense_model_linear_uses_it_unless_the_torch_kernels_are_forced(monkeypatch):
+    from engine.weight_formats import DenseLinear
+
+    w = torch.randn(8, 32)
+    assert DenseLinear(w).native
+    monkeypatch.setenv("KVSCOPE_KERNELS", "ref")
+    assert not DenseLinear(w).native
