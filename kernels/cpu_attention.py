@@ -15,6 +15,7 @@ from kernels.attention_ref import AttentionMetadata, paged_attention_ref
 
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3,
          torch.float8_e4m3fn: 4}
+IO_DTYPES = (torch.float32, torch.bfloat16)  # query/output rows the kernel reads and writes
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -31,6 +32,11 @@ def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     rows, tables, lens = decode_rows(meta)
     if not len(rows):
         return paged_attention_ref(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
+    if not meta.prefill_seqs and query.dtype in IO_DTYPES:  # rows in and out as they are
+        q = query.contiguous()
+        out = torch.empty_like(q)
+        _run(out, q, rows, tables, lens, k_cache, v_cache, k_scale, v_scale, scale)
+        return out
     q = query.float().contiguous()
     if meta.prefill_seqs:  # the reference fills the prefill rows; the kernel the rest
         out = paged_attention_ref(query, k_cache, v_cache, _prefill_only(meta), scale,
@@ -69,6 +75,7 @@ def _run(out, q, rows, tables, lens, k_cache, v_cache, k_scale, v_scale, scale) 
     status = lib.kvscope_paged_decode(
         out.data_ptr(), q.data_ptr(), rows.data_ptr(), tables.data_ptr(), tables.shape[1],
         lens.data_ptr(), 0, len(rows), k_cache.data_ptr(), v_cache.data_ptr(), ptr(k_scale),
-        ptr(v_scale), q.shape[1], kv_heads, head_dim, block_size, KINDS[k_cache.dtype], scale)
+        ptr(v_scale), q.shape[1], kv_heads, head_dim, block_size, KINDS[k_cache.dtype], scale,
+        int(q.dtype == torch.bfloat16))
     if status:
         raise MemoryError("the CPU attention kernel could not allocate its score buffer")

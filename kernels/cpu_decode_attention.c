@@ -153,9 +153,193 @@ static inline __attribute__((always_inline)) void attend_head(
     memcpy(out, acc, sizeof(float) * (size_t)(group * d));
 }
 
-/* attend_head compiled once per storage kind, and once more for head_dim 64 (SmolLM2,
- * Llama-style small models): with the kind and the width constant, the conversion and the
- * dot products unroll into straight vector code. */
+/* head_dim 64 (SmolLM2, Llama-style small models) in explicit 16-float vectors (GCC/Clang
+ * vector extensions: one AVX-512 register with -march=native, split by the compiler
+ * elsewhere). The generic loops above left GCC one dependent chain of 8 FMAs per dot product
+ * and a scalar exp; here a dot is a tree of 4 products, the exp is vectorized, and with the
+ * group size a constant the V accumulators stay in registers. */
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int8_t v16b __attribute__((vector_size(16)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+/* Unaligned 16 floats, loaded straight into a register: a memcpy into a vector array went
+ * through the stack in two halves and stalled every load that followed on store forwarding. */
+typedef float v16f_u __attribute__((vector_size(64), aligned(4)));
+
+static inline __attribute__((always_inline)) void load_row64(v16f r[4], const void *cache,
+                                                             int64_t offset, int kind,
+                                                             float scale) {
+    if (kind == KV_F32) {
+        const float *src = (const float *)cache + offset;
+        for (int i = 0; i < 4; i++) r[i] = *(const v16f_u *)(src + 16 * i);
+    } else if (kind == KV_BF16) {
+        for (int i = 0; i < 4; i++) {
+            v16h h;
+            memcpy(&h, (const uint16_t *)cache + offset + 16 * i, 32);
+            v16u u = __builtin_convertvector(h, v16u) << 16;
+            memcpy(&r[i], &u, 64);
+        }
+    } else if (kind == KV_I8) {
+        for (int i = 0; i < 4; i++) {
+            v16b b;
+            memcpy(&b, (const int8_t *)cache + offset + 16 * i, 16);
+            r[i] = __builtin_convertvector(b, v16f) * scale;
+        }
+    } else {
+        float tmp[64];
+        load_row(tmp, cache, offset, 64, kind, scale);
+        for (int i = 0; i < 4; i++) r[i] = *(const v16f_u *)(tmp + 16 * i);
+    }
+}
+
+static inline __attribute__((always_inline)) float hsum16(v16f v) {
+    v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+    v8f b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    a += b;
+    v4f c = __builtin_shufflevector(a, a, 0, 1, 2, 3), e = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    c += e;
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+/* The 16 sums of 16 vectors, as one vector (lane i: the sum of v[i]): a transpose folded into
+ * the additions, 30 shuffles and 15 adds for 16 dot products where a horizontal sum each
+ * costs a dozen instructions. */
+static inline __attribute__((always_inline)) v16f sum16x16(const v16f v[16]) {
+    v16f w[8], x[4], y[2];
+    for (int j = 0; j < 8; j++)
+        w[j] = __builtin_shufflevector(v[2 * j], v[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17,
+                                       18, 19, 20, 21, 22, 23)
+             + __builtin_shufflevector(v[2 * j], v[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15,
+                                       24, 25, 26, 27, 28, 29, 30, 31);
+    for (int j = 0; j < 4; j++)
+        x[j] = __builtin_shufflevector(w[2 * j], w[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16,
+                                       17, 18, 19, 24, 25, 26, 27)
+             + __builtin_shufflevector(w[2 * j], w[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20,
+                                       21, 22, 23, 28, 29, 30, 31);
+    for (int j = 0; j < 2; j++)
+        y[j] = __builtin_shufflevector(x[2 * j], x[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16,
+                                       17, 20, 21, 24, 25, 28, 29)
+             + __builtin_shufflevector(x[2 * j], x[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18,
+                                       19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
+                                   26, 28, 30)
+         + __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25,
+                                   27, 29, 31);
+}
+
+/* exp_nonpositive, 16 at a time. */
+static inline __attribute__((always_inline)) v16f exp_nonpositive16(v16f x) {
+    const v16f lo = (v16f){0} - 87.0f;
+    v16i below = x < lo;
+    x = (v16f)(((v16i)x & ~below) | ((v16i)lo & below));
+    v16f t = x * 1.44269504088896341f;
+    v16i n = __builtin_convertvector(t, v16i);  /* toward zero; t <= 0, so one above floor */
+    n += (v16i)(__builtin_convertvector(n, v16f) > t);  /* true is -1 */
+    v16f f = t - __builtin_convertvector(n, v16f);
+    v16f p = (v16f){0} + 1.535336188319500e-4f;
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    return p * (v16f)((n + 127) << 23);
+}
+
+static inline __attribute__((always_inline)) void softmax_row(float *s, int64_t len) {
+    float m = -INFINITY, sum = 0.0f;
+    for (int64_t t = 0; t < len; t++) m = s[t] > m ? s[t] : m;
+    int64_t t = 0;
+    v16f acc = {0};
+    for (; t + 16 <= len; t += 16) {
+        v16f v;
+        memcpy(&v, s + t, 64);
+        v = exp_nonpositive16(v - m);
+        memcpy(s + t, &v, 64);
+        acc += v;
+    }
+    for (; t < len; t++) {
+        s[t] = exp_nonpositive(s[t] - m);
+        sum += s[t];
+    }
+    float inv = 1.0f / (sum + hsum16(acc));
+    for (t = 0; t < len; t++) s[t] *= inv;
+}
+
+#define MAX_GROUP 16
+
+static inline __attribute__((always_inline)) void attend_head64(
+        float *out, const float *q, const int64_t *table, int64_t len, const void *k_cache,
+        const void *v_cache, const float *k_scale, const float *v_scale, int64_t h,
+        int64_t group, int64_t num_kv_heads, int64_t block_size, int kind, float sm_scale,
+        float *scores) {
+    v16f qv[MAX_GROUP][4], acc[MAX_GROUP][4], r[4], part[MAX_GROUP][16];
+    for (int64_t g = 0; g < group; g++)
+        for (int i = 0; i < 4; i++) qv[g][i] = *(const v16f_u *)(q + g * 64 + 16 * i);
+    /* Each token's products stay 16 lanes wide in part[g][c] until 16 tokens are in, then
+     * sum16x16 turns them into 16 scores at once. */
+    int c = 0;
+    for (int64_t start = 0, b = 0; start < len; start += block_size, b++) {
+        int64_t n = len - start < block_size ? len - start : block_size;
+        int64_t at = table[b] * block_size * num_kv_heads + h;
+        for (int64_t j = 0; j < n; j++, at += num_kv_heads) {
+            load_row64(r, k_cache, at * 64, kind, k_scale ? k_scale[at] : 1.0f);
+            for (int64_t g = 0; g < group; g++)
+                part[g][c] = qv[g][0] * r[0] + qv[g][1] * r[1] + (qv[g][2] * r[2] + qv[g][3] * r[3]);
+            if (++c == 16) {
+                for (int64_t g = 0; g < group; g++)
+                    *(v16f_u *)(scores + g * len + start + j - 15) = sum16x16(part[g]) * sm_scale;
+                c = 0;
+            }
+        }
+    }
+    for (int i = 0; i < c; i++)
+        for (int64_t g = 0; g < group; g++)
+            scores[g * len + len - c + i] = hsum16(part[g][i]) * sm_scale;
+    for (int64_t g = 0; g < group; g++) {
+        softmax_row(scores + g * len, len);
+        for (int i = 0; i < 4; i++) acc[g][i] = (v16f){0};
+    }
+    for (int64_t start = 0, b = 0; start < len; start += block_size, b++) {
+        int64_t n = len - start < block_size ? len - start : block_size;
+        int64_t at = table[b] * block_size * num_kv_heads + h;
+        for (int64_t j = 0; j < n; j++, at += num_kv_heads) {
+            load_row64(r, v_cache, at * 64, kind, v_scale ? v_scale[at] : 1.0f);
+            for (int64_t g = 0; g < group; g++) {
+                float p = scores[g * len + start + j];
+                for (int i = 0; i < 4; i++) acc[g][i] += p * r[i];
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; g++)
+        for (int i = 0; i < 4; i++) *(v16f_u *)(out + g * 64 + 16 * i) = acc[g][i];
+}
+
+/* Per storage kind, and per group size 1-4 as a constant (SmolLM2 has 3, Llama 3 has 4), so
+ * that the loops over the group unroll. */
+#define SPECIALISE64(name, KIND, G)                                                        \
+    static void name(float *out, const float *q, const int64_t *table, int64_t len,        \
+                     const void *kc, const void *vc, const float *ks, const float *vs,      \
+                     int64_t h, int64_t group, int64_t kvh, int64_t d, int64_t bs,          \
+                     float sm, float *scores, float *row, float *acc) {                     \
+        (void)d; (void)row; (void)acc; (void)group;                                         \
+        attend_head64(out, q, table, len, kc, vc, ks, vs, h, G, kvh, bs, KIND, sm, scores); \
+    }
+#define SPECIALISE64_GROUPS(prefix, KIND)                                                  \
+    SPECIALISE64(prefix##_g1, KIND, 1) SPECIALISE64(prefix##_g2, KIND, 2)                  \
+    SPECIALISE64(prefix##_g3, KIND, 3) SPECIALISE64(prefix##_g4, KIND, 4)                  \
+    SPECIALISE64(prefix##_gn, KIND, group)
+SPECIALISE64_GROUPS(attend64_f32, KV_F32)
+SPECIALISE64_GROUPS(attend64_bf16, KV_BF16)
+SPECIALISE64_GROUPS(attend64_f16, KV_F16)
+SPECIALISE64_GROUPS(attend64_i8, KV_I8)
+SPECIALISE64_GROUPS(attend64_fp8, KV_FP8)
+
+/* attend_head compiled once per storage kind, for head dims other than 64 (and groups over
+ * MAX_GROUP); head_dim 64 takes attend_head64 above. */
 #define SPECIALISE(name, KIND, D)                                                          \
     static void name(float *out, const float *q, const int64_t *table, int64_t len,        \
                      const void *kc, const void *vc, const float *ks, const float *vs,      \
@@ -170,42 +354,58 @@ SPECIALISE(attend_bf16, KV_BF16, d)
 SPECIALISE(attend_f16, KV_F16, d)
 SPECIALISE(attend_i8, KV_I8, d)
 SPECIALISE(attend_fp8, KV_FP8, d)
-SPECIALISE(attend_f32_64, KV_F32, 64)
-SPECIALISE(attend_bf16_64, KV_BF16, 64)
-SPECIALISE(attend_f16_64, KV_F16, 64)
-SPECIALISE(attend_i8_64, KV_I8, 64)
-SPECIALISE(attend_fp8_64, KV_FP8, 64)
 
 typedef void (*attend_fn)(float *, const float *, const int64_t *, int64_t, const void *,
                           const void *, const float *, const float *, int64_t, int64_t,
                           int64_t, int64_t, int64_t, float, float *, float *, float *);
 
-static attend_fn pick(int kind, int64_t d) {
+static attend_fn pick(int kind, int64_t d, int64_t group) {
     static const attend_fn any[] = {attend_f32, attend_bf16, attend_f16, attend_i8, attend_fp8};
-    static const attend_fn d64[] = {attend_f32_64, attend_bf16_64, attend_f16_64, attend_i8_64,
-                                    attend_fp8_64};
-    return d == 64 ? d64[kind] : any[kind];
+#define ROW(p) {p##_gn, p##_g1, p##_g2, p##_g3, p##_g4}
+    static const attend_fn d64[][5] = {ROW(attend64_f32), ROW(attend64_bf16), ROW(attend64_f16),
+                                       ROW(attend64_i8), ROW(attend64_fp8)};
+#undef ROW
+    if (d != 64 || group > MAX_GROUP) return any[kind];
+    return d64[kind][group <= 4 ? group : 0];
 }
 
 /* Below this many cached rows in a call, a parallel region costs more than it saves. */
 #define PARALLEL_MIN_ROWS 2048
 
-/* Sequences [first, last) of the batch. query/out: [*, num_heads, head_dim] float32;
- * caches: [num_blocks, block_size, num_kv_heads, head_dim]; scales (1-byte pools):
- * [num_blocks, block_size, num_kv_heads] float32, else NULL. rows[i]: the query row of
- * sequence i; tables[i * table_stride + j]: its j-th block; lens[i]: its context length.
+/* bfloat16 <-> float32 for the query and output rows (round to nearest even, as torch). */
+static inline void widen_bf16(float *dst, const uint16_t *src, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u = (uint32_t)src[i] << 16;
+        memcpy(dst + i, &u, 4);
+    }
+}
+
+static inline void narrow_bf16(uint16_t *dst, const float *src, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, src + i, 4);
+        if ((u & 0x7fffffffu) > 0x7f800000u) dst[i] = (uint16_t)((u >> 16) | 0x40);
+        else dst[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+}
+
+/* Sequences [first, last) of the batch. query/out: [*, num_heads, head_dim], float32, or
+ * bfloat16 when io_bf16 (converted here, in the work item, rather than by two more torch ops
+ * per layer); caches: [num_blocks, block_size, num_kv_heads, head_dim]; scales (1-byte
+ * pools): [num_blocks, block_size, num_kv_heads] float32, else NULL. rows[i]: the query row
+ * of sequence i; tables[i * table_stride + j]: its j-th block; lens[i]: its context length.
  *
  * The (sequence, KV head) pairs are shared out over OpenMP threads. Built with -fopenmp, this
  * library binds to the libgomp torch has already loaded (same soname), so these are torch's
  * own worker threads, already awake from the matmul before, and torch.set_num_threads
  * governs them; a second thread pool would fight torch's spinning one for the cores.
  * Returns 1 when a thread could not allocate its scratch. */
-int kvscope_paged_decode(float *out, const float *query, const int64_t *rows,
+int kvscope_paged_decode(void *out, const void *query, const int64_t *rows,
                          const int64_t *tables, int64_t table_stride, const int64_t *lens,
                          int64_t first, int64_t last, const void *k_cache, const void *v_cache,
                          const float *k_scale, const float *v_scale, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int kind,
-                         float sm_scale) {
+                         float sm_scale, int io_bf16) {
     const int64_t group = num_heads / num_kv_heads, d = head_dim;
     int64_t max_len = 0, total = 0;
     for (int64_t i = first; i < last; i++) {
@@ -213,21 +413,33 @@ int kvscope_paged_decode(float *out, const float *query, const int64_t *rows,
         total += lens[i] * num_kv_heads;
     }
     const int64_t items = (last - first) * num_kv_heads;
-    attend_fn attend = pick(kind, d);
+    attend_fn attend = pick(kind, d, group);
     int failed = 0;
 #pragma omp parallel if (total >= PARALLEL_MIN_ROWS && items > 1) reduction(| : failed)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(group * (max_len + d) + d));
+        /* scores [group, max_len] + padding for a 16-wide store, row [d], acc and, for
+         * bfloat16 rows, q and out [group, d] each */
+        size_t floats = (size_t)(group * (max_len + 16) + d + 3 * group * d);
+        float *scores = malloc(sizeof(float) * floats);
         if (!scores) failed = 1;
-        float *row = scores ? scores + group * max_len : NULL, *acc = row ? row + d : NULL;
+        float *row = scores ? scores + group * (max_len + 16) : NULL;
+        float *acc = row ? row + d : NULL, *qf = acc ? acc + group * d : NULL;
+        float *of = qf ? qf + group * d : NULL;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < items; w++) {
             if (!scores) continue;
             int64_t i = first + w / num_kv_heads, h = w % num_kv_heads;
             int64_t at = (rows[i] * num_heads + h * group) * d;
-            attend(out + at, query + at, tables + i * table_stride, lens[i], k_cache, v_cache,
-                   k_scale, v_scale, h, group, num_kv_heads, d, block_size, sm_scale, scores,
-                   row, acc);
+            const float *q = (const float *)query + at;
+            float *o = (float *)out + at;
+            if (io_bf16) {
+                widen_bf16(qf, (const uint16_t *)query + at, group * d);
+                q = qf;
+                o = of;
+            }
+            attend(o, q, tables + i * table_stride, lens[i], k_cache, v_cache, k_scale,
+                   v_scale, h, group, num_kv_heads, d, block_size, sm_scale, scores, row, acc);
+            if (io_bf16) narrow_bf16((uint16_t *)out + at, of, group * d);
         }
         free(scores);
     }

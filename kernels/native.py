@@ -29,7 +29,7 @@ FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native", "-fo
 P, I64, INT, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
     "kvscope_paged_decode": [P, P, P, P, I64, P, I64, I64, P, P, P, P, I64, I64, I64, I64, INT,
-                             F32],
+                             F32, INT],
     "kvscope_add_rms_norm_bf16": [P, P, P, F32, P, I64, I64],
     "kvscope_add_bf16": [P, P, I64],
     "kvscope_silu_mul_bf16": [P, P, I64, I64],
