@@ -54,15 +54,22 @@ class Clock:
 
 def instrument(model) -> dict[str, Clock]:
     """Wrap the model's attention kernels and matmul weights (instance attributes and the
-    names engine.model looks up, so nothing in the engine changes)."""
+    names engine.model and engine.fused_decode look up, so nothing in the engine changes).
+    A fused decode step (engine.fused_decode) writes K/V inside its RoPE call: that counts
+    as other."""
+    import engine.fused_decode as fused
     import engine.model as model_module
 
     clocks = {"attention": Clock(), "kv_write": Clock(), "matmul": Clock()}
     model_module.paged_attention = clocks["attention"].wrap(model_module.paged_attention)
     model_module.write_kv = clocks["kv_write"].wrap(model_module.write_kv)
-    for layer in model.layers:
-        for name in ("qkv", "o_proj", "gate_up", "down"):
-            setattr(layer, name, clocks["matmul"].wrap(getattr(layer, name)))
+    fused.attention = clocks["attention"].wrap(fused.attention)
+    fused.int4 = clocks["matmul"].wrap(fused.int4)
+    fused.dense = clocks["matmul"].wrap(fused.dense)
+    if not model.fused_decode:  # a fused step passes the linears to fused.int4/dense
+        for layer in model.layers:
+            for name in ("qkv", "o_proj", "gate_up", "down"):
+                setattr(layer, name, clocks["matmul"].wrap(getattr(layer, name)))
     model.lm_head = clocks["matmul"].wrap(model.lm_head)
     return clocks
 
@@ -89,9 +96,11 @@ def run(args) -> dict:
         engine.step()
     for _ in range(3):  # warm the decode path
         engine.step()
+    import engine.fused_decode as fused
     import engine.model as model_module
 
     kernels = (model_module.paged_attention, model_module.write_kv)
+    fused_kernels = (fused.attention, fused.int4, fused.dense)
     clocks = instrument(engine.model)
     try:
         t0 = time.perf_counter()
@@ -100,6 +109,7 @@ def run(args) -> dict:
         step = (time.perf_counter() - t0) / args.steps
     finally:  # the module-level wrappers must not outlive this run
         model_module.paged_attention, model_module.write_kv = kernels
+        fused.attention, fused.int4, fused.dense = fused_kernels
     attention, kv_write, matmul = (clocks[k].seconds / args.steps
                                    for k in ("attention", "kv_write", "matmul"))
     return {

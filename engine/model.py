@@ -121,8 +121,10 @@ class PagedLlama:
         half = self.shape.head_dim // 2
         signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
         self.cos, self.sin = cos.to(device), signed_sin.to(device)
-        # Decode steps of a 4-bit float32 model on the CPU fuse the glue between matmuls.
-        self.fused_decode = fused_decode.supports_model(self)
+        # Decode steps of a float32 model on the CPU (int4 or dense weights) fuse the glue
+        # between matmuls.
+        self.fused_rows = fused_decode.matmul_rows(self)  # the matmul rows' dtype, or None
+        self.fused_decode = self.fused_rows is not None
 
     @staticmethod
     def _layer(sd: dict, i: int, weights: str) -> LayerWeights:

@@ -13,6 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_vec.h"
+
 enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_I8 = 3, KV_FP8 = 4 };
 
 static float fp8_table[256];
@@ -81,27 +83,6 @@ static inline __attribute__((always_inline)) void load_row(float *dst, const voi
     }
 }
 
-/* e^x for x <= 0 (softmax after subtracting the max) in straight-line code the compiler
- * vectorizes, unlike libm's expf: 2^(x log2 e) split into 2^n (built in the exponent bits)
- * times 2^f, f in [0, 1), by a degree-6 polynomial; relative error about 2e-7, a float32
- * rounding or two. Below -87, e^x is under float's smallest normal: 0. */
-static inline __attribute__((always_inline)) float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float t = x * 1.44269504088896341f;
-    float n = floorf(t), f = t - n;
-    float p = 1.535336188319500e-4f;
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return p * scale;
-}
-
 static inline __attribute__((always_inline)) float dot(const float *a, const float *b, int64_t d) {
     float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
@@ -158,17 +139,6 @@ static inline __attribute__((always_inline)) void attend_head(
  * elsewhere). The generic loops above left GCC one dependent chain of 8 FMAs per dot product
  * and a scalar exp; here a dot is a tree of 4 products, the exp is vectorized, and with the
  * group size a constant the V accumulators stay in registers. */
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef int8_t v16b __attribute__((vector_size(16)));
-typedef float v8f __attribute__((vector_size(32)));
-typedef float v4f __attribute__((vector_size(16)));
-/* Unaligned 16 floats, loaded straight into a register: a memcpy into a vector array went
- * through the stack in two halves and stalled every load that followed on store forwarding. */
-typedef float v16f_u __attribute__((vector_size(64), aligned(4)));
-
 static inline __attribute__((always_inline)) void load_row64(v16f r[4], const void *cache,
                                                              int64_t offset, int kind,
                                                              float scale) {
@@ -195,15 +165,6 @@ static inline __attribute__((always_inline)) void load_row64(v16f r[4], const vo
     }
 }
 
-static inline __attribute__((always_inline)) float hsum16(v16f v) {
-    v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
-    v8f b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    a += b;
-    v4f c = __builtin_shufflevector(a, a, 0, 1, 2, 3), e = __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    c += e;
-    return (c[0] + c[2]) + (c[1] + c[3]);
-}
-
 /* The 16 sums of 16 vectors, as one vector (lane i: the sum of v[i]): a transpose folded into
  * the additions, 30 shuffles and 15 adds for 16 dot products where a horizontal sum each
  * costs a dozen instructions. */
@@ -228,25 +189,6 @@ static inline __attribute__((always_inline)) v16f sum16x16(const v16f v[16]) {
                                    26, 28, 30)
          + __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25,
                                    27, 29, 31);
-}
-
-/* exp_nonpositive, 16 at a time. */
-static inline __attribute__((always_inline)) v16f exp_nonpositive16(v16f x) {
-    const v16f lo = (v16f){0} - 87.0f;
-    v16i below = x < lo;
-    x = (v16f)(((v16i)x & ~below) | ((v16i)lo & below));
-    v16f t = x * 1.44269504088896341f;
-    v16i n = __builtin_convertvector(t, v16i);  /* toward zero; t <= 0, so one above floor */
-    n += (v16i)(__builtin_convertvector(n, v16f) > t);  /* true is -1 */
-    v16f f = t - __builtin_convertvector(n, v16f);
-    v16f p = (v16f){0} + 1.535336188319500e-4f;
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
-    return p * (v16f)((n + 127) << 23);
 }
 
 static inline __attribute__((always_inline)) void softmax_row(float *s, int64_t len) {

@@ -1,103 +1,135 @@
 /* The elementwise work between the matmuls of a CPU decode step, fused: what torch runs as
  * five to fifteen small ops per step of a layer (each a dispatch, an allocation and a pass
- * over memory) is one call here. Used by engine/fused_decode.py for 4-bit weights with a
- * float32 residual stream, whose matmuls take and give bfloat16 (stored as uint16 here).
+ * over memory) is one call here. Used by engine/fused_decode.py for a float32 residual
+ * stream; the matmuls' inputs and outputs ("io" rows) are bfloat16 (io = 1: 4-bit weights,
+ * whose kernel takes and gives bfloat16) or float32 (io = 0: dense float32 weights).
  * Built with kernels/cpu_decode_attention.c into one library (kernels/native.py).
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_to_f32(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
+#include "cpu_vec.h"
+
+/* A row of n io values as float32 into dst, and back. */
+static inline void io_read(float *dst, const void *src, int64_t n, int io) {
+    if (!io) {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    const uint16_t *b = src;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) *(v16f_u *)(dst + i) = load_bf16x16(b + i);
+    for (; i < n; i++) dst[i] = bf16_to_f32(b[i]);
 }
 
-/* Round to nearest even, as torch's float -> bfloat16 conversion does (NaN stays NaN). */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+static inline void io_write(void *dst, const float *src, int64_t n, int io) {
+    if (!io) {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    uint16_t *b = dst;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) store_bf16x16(b + i, *(const v16f_u *)(src + i));
+    for (; i < n; i++) b[i] = f32_to_bf16(src[i]);
 }
 
-/* out = bf16(w * (h * rsqrt(mean(h^2) + eps))) per row, Hugging Face's RMSNorm order. If
- * y is not NULL, h += y (a bfloat16 matmul output) first, in place: the residual add. */
-void kvscope_add_rms_norm_bf16(float *h, const uint16_t *y, const float *w, float eps,
-                               uint16_t *out, int64_t rows, int64_t n) {
+/* The widest row these take (hidden size, intermediate size, and the q|k|v row); the caller,
+ * engine/fused_decode.py, keeps to it (its ROW_MAX). */
+#define ROW_MAX 16384
+
+/* out = w * (h * rsqrt(mean(h^2) + eps)) per row, Hugging Face's RMSNorm order. If y is not
+ * NULL, h += y (a matmul output) first, in place: the residual add. */
+void kvscope_add_rms_norm(float *h, const void *y, const float *w, float eps, void *out,
+                          int64_t rows, int64_t n, int io) {
+    float tmp[ROW_MAX];
     for (int64_t r = 0; r < rows; r++) {
         float *x = h + r * n;
         if (y) {
-            const uint16_t *yr = y + r * n;
-            for (int64_t i = 0; i < n; i++) x[i] += bf16_to_f32(yr[i]);
+            io_read(tmp, (const char *)y + (size_t)(r * n) * (io ? 2 : 4), n, io);
+            for (int64_t i = 0; i < n; i++) x[i] += tmp[i];
         }
         float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
         for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
         float inv = 1.0f / sqrtf(ss / (float)n + eps);
-        uint16_t *o = out + r * n;
-        for (int64_t i = 0; i < n; i++) o[i] = f32_to_bf16(w[i] * (x[i] * inv));
+        for (int64_t i = 0; i < n; i++) tmp[i] = w[i] * (x[i] * inv);
+        io_write((char *)out + (size_t)(r * n) * (io ? 2 : 4), tmp, n, io);
     }
 }
 
 /* h += y: the last layer's residual add before the final norm. */
-void kvscope_add_bf16(float *h, const uint16_t *y, int64_t count) {
-    for (int64_t i = 0; i < count; i++) h[i] += bf16_to_f32(y[i]);
-}
-
-/* out[r] = bf16(silu(gate) * up), gate_up[r] = [gate (inter) | up (inter)]. */
-void kvscope_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows,
-                           int64_t inter) {
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *g = gate_up + r * 2 * inter, *u = g + inter;
-        uint16_t *o = out + r * inter;
-        for (int64_t i = 0; i < inter; i++) {
-            float x = bf16_to_f32(g[i]);
-            o[i] = f32_to_bf16(x / (1.0f + expf(-x)) * bf16_to_f32(u[i]));
-        }
+void kvscope_add(float *h, const void *y, int64_t count, int io) {
+    float tmp[ROW_MAX];
+    for (int64_t at = 0; at < count; at += ROW_MAX) {
+        int64_t n = count - at < ROW_MAX ? count - at : ROW_MAX;
+        io_read(tmp, (const char *)y + (size_t)at * (io ? 2 : 4), n, io);
+        for (int64_t i = 0; i < n; i++) h[at + i] += tmp[i];
     }
 }
 
-/* For each row (one decoding sequence): q and k of qkv (bfloat16) turned by RoPE at its
+/* silu(x) = x / (1 + e^-x), with e^-|x| (never above 1) from the vector exp: for x >= 0 that
+ * is x / (1 + e^-x); for x < 0, x e^x / (1 + e^x). libm's expf one value at a time cost
+ * more than the matmuls at 16 rows. */
+static inline __attribute__((always_inline)) v16f silu16(v16f x) {
+    v16i neg = x < (v16f){0};
+    v16f ax = (v16f)((v16i)x & 0x7fffffff);  /* |x|: the sign bit cleared */
+    v16f e = exp_nonpositive16((v16f){0} - ax);
+    v16f num = (v16f)(((v16i)x & ~neg) | ((v16i)(x * e) & neg));
+    return num / (1.0f + e);
+}
+
+static inline float silu1(float x) {
+    float e = exp_nonpositive(-fabsf(x));
+    return (x >= 0.0f ? x : x * e) / (1.0f + e);
+}
+
+/* out[r] = silu(gate) * up, gate_up[r] = [gate (inter) | up (inter)]. */
+void kvscope_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int io) {
+    float g[ROW_MAX], u[ROW_MAX];
+    const size_t size = io ? 2 : 4;
+    for (int64_t r = 0; r < rows; r++) {
+        const char *row = (const char *)gate_up + (size_t)(r * 2 * inter) * size;
+        io_read(g, row, inter, io);
+        io_read(u, row + (size_t)inter * size, inter, io);
+        int64_t i = 0;
+        for (; i + 16 <= inter; i += 16)
+            *(v16f_u *)(g + i) = silu16(*(const v16f_u *)(g + i)) * *(const v16f_u *)(u + i);
+        for (; i < inter; i++) g[i] = silu1(g[i]) * u[i];
+        io_write((char *)out + (size_t)(r * inter) * size, g, inter, io);
+    }
+}
+
+/* For each row (one decoding sequence): q and k of qkv (io rows) turned by RoPE at its
  * position, q to q_out [rows, heads, d] float32, k and v into the cache slot (float32 when
  * cache_bf16 is 0, else bfloat16). cos/sin: [positions, d] float32, sin with its first half
  * negated (x * cos + roll(x, d/2) * sin is Hugging Face's rotate_half form). */
-void kvscope_rope_write(const uint16_t *qkv, int64_t rows, const int64_t *positions,
+void kvscope_rope_write(const void *qkv, int64_t rows, const int64_t *positions,
                         const float *cos_table, const float *sin_table, float *q_out,
                         void *k_cache, void *v_cache, const int64_t *slots, int64_t heads,
-                        int64_t kv_heads, int64_t d, int cache_bf16) {
+                        int64_t kv_heads, int64_t d, int cache_bf16, int io) {
     const int64_t half = d / 2, width = (heads + 2 * kv_heads) * d;
-    float rot[1024];
+    float row[ROW_MAX], rot[1024];
     for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *row = qkv + r * width;
+        io_read(row, (const char *)qkv + (size_t)(r * width) * (io ? 2 : 4), width, io);
         const float *c = cos_table + positions[r] * d, *s = sin_table + positions[r] * d;
         for (int64_t hd = 0; hd < heads + kv_heads; hd++) {
-            const uint16_t *x = row + hd * d;
-            for (int64_t i = 0; i < d; i++) {
-                float xi = bf16_to_f32(x[i]), xr = bf16_to_f32(x[(i + half) % d]);
-                rot[i] = xi * c[i] + xr * s[i];
-            }
+            const float *x = row + hd * d;
+            for (int64_t i = 0; i < half; i++) rot[i] = x[i] * c[i] + x[i + half] * s[i];
+            for (int64_t i = half; i < d; i++) rot[i] = x[i] * c[i] + x[i - half] * s[i];
             if (hd < heads) {
                 memcpy(q_out + (r * heads + hd) * d, rot, sizeof(float) * (size_t)d);
                 continue;
             }
             int64_t at = (slots[r] * kv_heads + (hd - heads)) * d;
-            if (cache_bf16) {
-                for (int64_t i = 0; i < d; i++) ((uint16_t *)k_cache)[at + i] = f32_to_bf16(rot[i]);
-            } else {
-                memcpy((float *)k_cache + at, rot, sizeof(float) * (size_t)d);
-            }
+            io_write(cache_bf16 ? (void *)((uint16_t *)k_cache + at)
+                                : (void *)((float *)k_cache + at), rot, d, cache_bf16);
         }
         for (int64_t hd = 0; hd < kv_heads; hd++) {
-            const uint16_t *x = row + (heads + kv_heads + hd) * d;
             int64_t at = (slots[r] * kv_heads + hd) * d;
-            for (int64_t i = 0; i < d; i++) {
-                if (cache_bf16) ((uint16_t *)v_cache)[at + i] = x[i];
-                else ((float *)v_cache)[at + i] = bf16_to_f32(x[i]);
-            }
+            io_write(cache_bf16 ? (void *)((uint16_t *)v_cache + at)
+                                : (void *)((float *)v_cache + at),
+                     row + (heads + kv_heads + hd) * d, d, cache_bf16);
         }
     }
 }

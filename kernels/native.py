@@ -22,6 +22,7 @@ from pathlib import Path
 HERE = Path(__file__).parent
 SOURCES = (HERE / "cpu_decode_attention.c", HERE / "cpu_decode_glue.c",
            HERE / "cpu_small_gemm.c")
+HEADERS = (HERE / "cpu_vec.h",)  # not compiled on their own, but part of the cache key
 ENV = "KVSCOPE_CPU_KERNELS"
 FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native", "-fopenmp-simd"],
              ["-O3", "-fopenmp-simd"], ["-O2"])
@@ -30,10 +31,10 @@ P, I64, INT, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
     "kvscope_paged_decode": [P, P, P, P, I64, P, I64, I64, P, P, P, P, I64, I64, I64, I64, INT,
                              F32, INT],
-    "kvscope_add_rms_norm_bf16": [P, P, P, F32, P, I64, I64],
-    "kvscope_add_bf16": [P, P, I64],
-    "kvscope_silu_mul_bf16": [P, P, I64, I64],
-    "kvscope_rope_write": [P, I64, P, P, P, P, P, P, P, I64, I64, I64, INT],
+    "kvscope_add_rms_norm": [P, P, P, F32, P, I64, I64, INT],
+    "kvscope_add": [P, P, I64, INT],
+    "kvscope_silu_mul": [P, P, I64, I64, INT],
+    "kvscope_rope_write": [P, I64, P, P, P, P, P, P, P, I64, I64, I64, INT, INT],
     "kvscope_gemm": [P, INT, P, INT, P, INT, P, I64, I64, I64],
 }
 
@@ -61,7 +62,7 @@ def library() -> ctypes.CDLL | None:
     """Build (once per sources/compiler/flags) and load the kernels; None if that fails."""
     import torch  # noqa: F401 - first, so the library binds to torch's OpenMP runtime
     compiler = os.environ.get("CC", "cc")
-    source = b"".join(p.read_bytes() for p in SOURCES)
+    source = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
     for flags in FLAG_SETS:
         key = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
         lib = _load(compiler, flags, f"kvscope-cpu-{key}.so")

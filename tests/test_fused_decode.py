@@ -1,6 +1,6 @@
 """The fused CPU decode step (engine/fused_decode.py) against the model's ordinary forward on
-the same 4-bit weights: same hidden states up to float32 rounding order, same K/V written,
-same greedy tokens; and it stands aside where it does not apply."""
+the same weights (4-bit, and dense float32): same hidden states up to rounding order, same K/V
+written, same greedy tokens; and it stands aside where it does not apply."""
 from __future__ import annotations
 
 import pytest
@@ -13,9 +13,10 @@ from kernels import native
 pytestmark = pytest.mark.skipif(not native.enabled(), reason=f"{native.ENV}=off")
 
 
-def make_llm(model, kv_dtype="float32", weights="int4") -> LLM:
+def make_llm(model, kv_dtype="float32", weights="int4", dtype="float32") -> LLM:
     return LLM(EngineConfig(model=str(model), device="cpu", weights=weights, block_size=4,
-                            num_kv_blocks=128, max_model_len=256, kv_dtype=kv_dtype))
+                            num_kv_blocks=128, max_model_len=256, kv_dtype=kv_dtype,
+                            dtype=dtype))
 
 
 def capture_decode_step(llm, prompts):
@@ -36,9 +37,10 @@ def capture_decode_step(llm, prompts):
     return seen[0]
 
 
+@pytest.mark.parametrize("weights", ["int4", "dense"])
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
-def test_a_fused_step_computes_what_the_torch_step_does(tiny, kv_dtype):  # noqa: F811
-    llm = make_llm(tiny, kv_dtype)
+def test_a_fused_step_computes_what_the_torch_step_does(tiny, kv_dtype, weights):  # noqa: F811
+    llm = make_llm(tiny, kv_dtype, weights)
     model = llm.engine.model
     assert model.fused_decode
     ids, positions, meta, pool = capture_decode_step(llm, [[5, 9, 2, 7, 1], [3] * 11, [8, 4]])
@@ -53,10 +55,12 @@ def test_a_fused_step_computes_what_the_torch_step_does(tiny, kv_dtype):  # noqa
         v.view(-1, *v.shape[2:])[slots] = float("nan")
     model.fused_decode = True
     fused = model.forward(ids, positions, meta, pool)
-    # Both round each matmul input to bfloat16 (2^-9); the rounding order differs, so a few
-    # elements land on the other side of a bfloat16 step and carry through the layers.
-    assert float((fused - plain).abs().max() / plain.abs().max()) < 2e-2
-    tol = 1e-2 if kv_dtype == "bfloat16" else 1e-3
+    # int4: both round each matmul input to bfloat16 (2^-9); the rounding order differs, so a
+    # few elements land on the other side of a bfloat16 step and carry through the layers.
+    # dense float32: only float32 rounding order differs.
+    bound = 2e-2 if weights == "int4" else 1e-5
+    assert float((fused - plain).abs().max() / plain.abs().max()) < bound
+    tol = 1e-2 if kv_dtype == "bfloat16" else (1e-3 if weights == "int4" else 1e-5)
     for (k, v), kp, vp in zip(pool.caches, k_plain, v_plain):
         torch.testing.assert_close(k.view(-1, *k.shape[2:])[slots].float(), kp.float(),
                                    rtol=tol, atol=tol)
@@ -66,11 +70,13 @@ def test_a_fused_step_computes_what_the_torch_step_does(tiny, kv_dtype):  # noqa
                        model.compute_logits(plain).argmax(-1))
 
 
-def test_greedy_tokens_equal_with_and_without_fusion(tiny):  # noqa: F811
+@pytest.mark.parametrize("weights", ["int4", "dense"])
+def test_greedy_tokens_equal_with_and_without_fusion(tiny, weights):  # noqa: F811
     prompts = [[5, 9, 2, 7, 1], [3] * 11, [8, 4], list(range(40, 70))]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    fused = make_llm(tiny)
-    plain = make_llm(tiny)
+    fused = make_llm(tiny, weights=weights)
+    assert fused.engine.model.fused_decode
+    plain = make_llm(tiny, weights=weights)
     plain.engine.model.fused_decode = False
     got = [o.token_ids for o in fused.generate(prompts, params)]
     want = [o.token_ids for o in plain.generate(prompts, params)]
@@ -78,7 +84,9 @@ def test_greedy_tokens_equal_with_and_without_fusion(tiny):  # noqa: F811
 
 
 def test_it_stands_aside_where_it_does_not_apply(tiny):  # noqa: F811
-    assert not make_llm(tiny, weights="dense").engine.model.fused_decode
+    # bfloat16 activations keep the torch forward (its residual stream is bfloat16 too).
+    assert not make_llm(tiny, weights="dense", dtype="bfloat16").engine.model.fused_decode
+    assert not make_llm(tiny, weights="int8").engine.model.fused_decode
     for kv_dtype in ("int8", "fp8"):  # quantized (and rotated) pools take the torch path
         llm = make_llm(tiny, kv_dtype)
         _, _, meta, pool = capture_decode_step(llm, [[1, 2, 3]])

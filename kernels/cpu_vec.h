@@ -1,0 +1,106 @@
+/* Vector helpers shared by the native CPU kernels (kernels/cpu_*.c): 16-float vectors in
+ * GCC/Clang vector extensions (one AVX-512 register with -march=native, split by the compiler
+ * elsewhere), bfloat16 conversions, and e^x for the non-positive x of a softmax or SiLU.
+ * kernels/native.py hashes this file with the sources, so a change here rebuilds. */
+#ifndef KVSCOPE_CPU_VEC_H
+#define KVSCOPE_CPU_VEC_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int8_t v16b __attribute__((vector_size(16)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+/* Unaligned 16 floats, loaded straight into a register: a memcpy into a vector array went
+ * through the stack in two halves and stalled every load that followed on store forwarding. */
+typedef float v16f_u __attribute__((vector_size(64), aligned(4)));
+
+static inline __attribute__((always_inline)) float bf16_to_f32(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Round to nearest even, as torch's float -> bfloat16 conversion does (NaN stays NaN). */
+static inline __attribute__((always_inline)) uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline __attribute__((always_inline)) v16f load_bf16x16(const uint16_t *p) {
+    v16h h;
+    memcpy(&h, p, 32);
+    v16u u = __builtin_convertvector(h, v16u) << 16;
+    v16f f;
+    memcpy(&f, &u, 64);
+    return f;
+}
+
+/* f32_to_bf16 on 16 lanes (NaN is not expected here: activations). */
+static inline __attribute__((always_inline)) void store_bf16x16(uint16_t *p, v16f f) {
+    v16u u;
+    memcpy(&u, &f, 64);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    v16h h = __builtin_convertvector(u >> 16, v16h);
+    memcpy(p, &h, 32);
+}
+
+static inline __attribute__((always_inline)) float hsum16(v16f v) {
+    v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+    v8f b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    a += b;
+    v4f c = __builtin_shufflevector(a, a, 0, 1, 2, 3), e = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    c += e;
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+/* e^x for x <= 0 (softmax after subtracting the max) in straight-line code the compiler
+ * vectorizes, unlike libm's expf: 2^(x log2 e) split into 2^n (built in the exponent bits)
+ * times 2^f, f in [0, 1), by a degree-6 polynomial; relative error about 2e-7, a float32
+ * rounding or two. Below -87, e^x is under float's smallest normal: 0. */
+static inline __attribute__((always_inline)) float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float t = x * 1.44269504088896341f;
+    float n = floorf(t), f = t - n;
+    float p = 1.535336188319500e-4f;
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+/* exp_nonpositive, 16 at a time. */
+static inline __attribute__((always_inline)) v16f exp_nonpositive16(v16f x) {
+    const v16f lo = (v16f){0} - 87.0f;
+    v16i below = x < lo;
+    x = (v16f)(((v16i)x & ~below) | ((v16i)lo & below));
+    v16f t = x * 1.44269504088896341f;
+    v16i n = __builtin_convertvector(t, v16i);  /* toward zero; t <= 0, so one above floor */
+    n += (v16i)(__builtin_convertvector(n, v16f) > t);  /* true is -1 */
+    v16f f = t - __builtin_convertvector(n, v16f);
+    v16f p = (v16f){0} + 1.535336188319500e-4f;
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    return p * (v16f)((n + 127) << 23);
+}
+
+#endif
