@@ -37,6 +37,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     the bias as contiguous float32 (what the kernel reads), kept by the caller."""
     if not takes(x, weight):
         return F.linear(x, weight, bias)
+    return native_linear(x, weight, bias_f32)
+
+
+def native_linear(x: torch.Tensor, weight: torch.Tensor,
+                  bias_f32: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b) through the kernel whatever the row count (`supports(weight)` assumed, x in
+    the weight's dtype)."""
     n, k = weight.shape
     rows = x.reshape(-1, k).contiguous()
     y = torch.empty((rows.shape[0], n), dtype=x.dtype)
