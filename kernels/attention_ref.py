@@ -164,12 +164,14 @@ def _prefill_attention(query, pool, meta, i, scale, out) -> None:
     q_len, ctx = end - start, meta.context_lens[i]
     k = gather_context(k_cache, meta.block_tables[i], ctx, k_scale, query.dtype)
     v = gather_context(v_cache, meta.block_tables[i], ctx, v_scale, query.dtype)
-    q = query[start:end].transpose(0, 1)                      # [heads, q_len, d]
-    k, v = k.transpose(0, 1), v.transpose(0, 1)
+    # [1, heads, q_len, d]: with a batch dimension torch's CPU SDPA takes its fused (flash)
+    # kernel; three-dimensional inputs fall back to the unfused math, 3-4x slower here.
+    q = query[start:end].transpose(0, 1)[None]
+    k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     if q_len == ctx:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
         mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    out[start:end] = o.transpose(0, 1)
+    out[start:end] = o[0].transpose(0, 1)
