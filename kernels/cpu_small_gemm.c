@@ -17,58 +17,23 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_vec.h"
+
 enum { G_F32 = 0, G_BF16 = 1 };
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef float v8f __attribute__((vector_size(32)));
-typedef float v4f __attribute__((vector_size(16)));
-
 static inline __attribute__((always_inline)) v16f load16(const void *p, int64_t i, int kind) {
-    v16f f;
-    if (kind == G_F32) {
-        memcpy(&f, (const float *)p + i, 64);
-    } else {
-        v16h h;
-        memcpy(&h, (const uint16_t *)p + i, 32);
-        v16u u = __builtin_convertvector(h, v16u) << 16;
-        memcpy(&f, &u, 64);
-    }
-    return f;
+    if (kind == G_F32) return *(const v16f_u *)((const float *)p + i);
+    return load_bf16x16((const uint16_t *)p + i);
 }
 
 static inline __attribute__((always_inline)) float scalar_at(const void *p, int64_t i,
                                                              int kind) {
-    if (kind == G_F32) return ((const float *)p)[i];
-    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline __attribute__((always_inline)) float hsum(v16f v) {
-    v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
-    v8f b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    a += b;
-    v4f c = __builtin_shufflevector(a, a, 0, 1, 2, 3), d = __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    c += d;
-    return (c[0] + c[2]) + (c[1] + c[3]);
+    return kind == G_F32 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
 }
 
 static inline __attribute__((always_inline)) void store(void *y, int64_t i, float v, int kind) {
-    if (kind == G_F32) {
-        ((float *)y)[i] = v;
-        return;
-    }
-    uint32_t u;
-    memcpy(&u, &v, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) {  /* NaN stays NaN */
-        ((uint16_t *)y)[i] = (uint16_t)((u >> 16) | 0x40);
-        return;
-    }
-    u += 0x7fffu + ((u >> 16) & 1u);
-    ((uint16_t *)y)[i] = (uint16_t)(u >> 16);
+    if (kind == G_F32) ((float *)y)[i] = v;
+    else ((uint16_t *)y)[i] = f32_to_bf16(v);
 }
 
 /* MT input rows (float32, stride K) against the R weight rows at w (stride K), which are
@@ -91,7 +56,7 @@ static inline __attribute__((always_inline)) void store(void *y, int64_t i, floa
         }                                                                                   \
         for (int r = 0; r < R; r++) {                                                       \
             float b = bias ? bias[n + r] : 0.0f;                                            \
-            for (int m = 0; m < MT; m++) store(y, m * N + n + r, hsum(acc[m][r]) + b, y_kind); \
+            for (int m = 0; m < MT; m++) store(y, m * N + n + r, hsum16(acc[m][r]) + b, y_kind); \
         }                                                                                   \
     }
 
