@@ -1,4 +1,4 @@
-"""A decode step of a float32 model on the CPU with the glue between matmuls fused.
+"""A decode step on the CPU with the glue between matmuls fused.
 
 A decode step's matmuls are cheap at a few rows (int4 weights read 8x fewer bytes than
 float32; dense float32 ones go through the native small-row matmul, kernels.cpu_linear), and
@@ -7,16 +7,20 @@ conversions, SiLU, residual adds), costs as much again in dispatch alone. Here a
 four matmuls and four calls into kernels/cpu_decode_glue.c and the native decode attention:
 norm (with the residual add), RoPE + KV write, attention, SiLU x up.
 
-Two kinds of model qualify: every matmul int4 without bias (the matmul rows in and out are
-bfloat16, as torch's int4 kernel takes and gives them), or every matmul dense float32 without
-bias (rows stay float32). It runs when every row of the step decodes and the pool holds
-float32 or bfloat16 K/V unrotated; anything else (prefill chunks, 1-byte or rotated KV, a
-bias on a projection) takes the model's ordinary forward. The residual stream stays float32,
-as in that forward; the results differ from it only in float32 rounding order
-(tests/test_fused_decode.py), and in float32 the greedy tokens still equal Hugging Face's
-(tests/test_embedded_model.py).
+Two kinds of model qualify: a float32 model whose every matmul is int4 without bias (the
+matmul rows in and out are bfloat16, as torch's int4 kernel takes and gives them), or a
+float32 or bfloat16 model whose every matmul is dense without bias (rows in the model's
+dtype). It runs when every row of the step decodes and the pool holds float32 or bfloat16 K/V
+unrotated; anything else (prefill chunks, 1-byte or rotated KV, a bias on a projection) takes
+the model's ordinary forward. The residual stream is float32 here: for a float32 model that is
+the ordinary forward's too, and the results differ from it only in float32 rounding order
+(tests/test_fused_decode.py; the greedy tokens still equal Hugging Face's,
+tests/test_embedded_model.py); a bfloat16 model's ordinary forward rounds the residual stream
+to bfloat16 after every add, which this step does not.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -33,21 +37,38 @@ ROW_MAX = 16384
 
 def matmul_rows(model) -> torch.dtype | None:
     """The dtype of the matmuls' input/output rows if the model's decode steps can fuse
-    (bfloat16 for int4, float32 for dense float32), else None."""
+    (bfloat16 for int4, the model's dtype for dense), else None."""
     linears = [getattr(layer, n) for layer in model.layers
                for n in ("qkv", "o_proj", "gate_up", "down")]
     s = model.shape
     widest = max(s.hidden_size, model.layers[0].down.shape[1],
                  (s.num_heads + 2 * s.num_kv_heads) * s.head_dim)
-    if (model.device != "cpu" or model.dtype != torch.float32
+    if (model.device != "cpu" or model.dtype not in (torch.float32, BF16)
             or s.head_dim > MAX_HEAD_DIM or widest > ROW_MAX or not native.available()
             or any(x.bias is not None for x in linears)):
         return None
-    if all(isinstance(x, Int4Linear) for x in linears):
+    if model.dtype == torch.float32 and all(isinstance(x, Int4Linear) for x in linears):
         return BF16
     if all(isinstance(x, DenseLinear) and x.native for x in linears):
-        return torch.float32
+        return model.dtype
     return None
+
+
+@dataclass
+class Float32Tables:
+    """What the glue reads in float32: the norm weights and the RoPE tables. A float32 model's
+    own tensors; for a bfloat16 model, float32 copies (a few MB, mostly the RoPE tables)."""
+    input_norms: list[torch.Tensor]
+    post_norms: list[torch.Tensor]
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def float32_tables(model) -> Float32Tables:
+    f32 = lambda t: t.float().contiguous()  # the same tensor when it is float32
+    return Float32Tables([f32(layer.input_norm) for layer in model.layers],
+                         [f32(layer.post_norm) for layer in model.layers],
+                         f32(model.cos), f32(model.sin))
 
 
 def supports_step(meta, pool) -> bool:
@@ -78,26 +99,27 @@ def run_layers(model, input_ids: torch.Tensor, positions: torch.Tensor, meta, po
     lib, s = native.library(), model.shape
     io_dtype = model.fused_rows
     io = int(io_dtype == BF16)
-    mm = int4 if io else dense
+    mm = dense if io_dtype == model.dtype else int4  # int4 rows: bfloat16 in a float32 model
     rows, hidden, eps = len(input_ids), s.hidden_size, s.rms_norm_eps
-    h = F.embedding(input_ids, model.embed).contiguous()
+    tables = model.fused_tables
+    h = F.embedding(input_ids, model.embed).float().contiguous()
     x = torch.empty(rows, hidden, dtype=io_dtype)
     q = torch.empty(rows, s.num_heads, s.head_dim)
     positions, slots = positions.contiguous(), meta.slot_mapping.contiguous()
     cache_bf16 = int(pool.dtype == BF16)
     layers = model.layers
-    lib.kvscope_add_rms_norm(h.data_ptr(), None, layers[0].input_norm.data_ptr(), eps,
+    lib.kvscope_add_rms_norm(h.data_ptr(), None, tables.input_norms[0].data_ptr(), eps,
                              x.data_ptr(), rows, hidden, io)
     for i, layer in enumerate(layers):
         qkv = mm(x, layer.qkv)
         k_cache, v_cache = pool.caches[i]
-        lib.kvscope_rope_write(qkv.data_ptr(), rows, positions.data_ptr(), model.cos.data_ptr(),
-                               model.sin.data_ptr(), q.data_ptr(), k_cache.data_ptr(),
+        lib.kvscope_rope_write(qkv.data_ptr(), rows, positions.data_ptr(), tables.cos.data_ptr(),
+                               tables.sin.data_ptr(), q.data_ptr(), k_cache.data_ptr(),
                                v_cache.data_ptr(), slots.data_ptr(), s.num_heads,
                                s.num_kv_heads, s.head_dim, cache_bf16, io)
         o = attention(q, k_cache, v_cache, meta, model.scale)
         y = mm(o.view(rows, -1).to(io_dtype), layer.o_proj)
-        lib.kvscope_add_rms_norm(h.data_ptr(), y.data_ptr(), layer.post_norm.data_ptr(), eps,
+        lib.kvscope_add_rms_norm(h.data_ptr(), y.data_ptr(), tables.post_norms[i].data_ptr(), eps,
                                  x.data_ptr(), rows, hidden, io)
         gate_up = mm(x, layer.gate_up)
         act = torch.empty(rows, gate_up.shape[1] // 2, dtype=io_dtype)
@@ -105,7 +127,7 @@ def run_layers(model, input_ids: torch.Tensor, positions: torch.Tensor, meta, po
         y = mm(act, layer.down)
         if i + 1 < len(layers):
             lib.kvscope_add_rms_norm(h.data_ptr(), y.data_ptr(),
-                                     layers[i + 1].input_norm.data_ptr(), eps, x.data_ptr(),
+                                     tables.input_norms[i + 1].data_ptr(), eps, x.data_ptr(),
                                      rows, hidden, io)
         else:
             lib.kvscope_add(h.data_ptr(), y.data_ptr(), rows * hidden, io)

@@ -121,10 +121,11 @@ class PagedLlama:
         half = self.shape.head_dim // 2
         signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
         self.cos, self.sin = cos.to(device), signed_sin.to(device)
-        # Decode steps of a float32 model on the CPU (int4 or dense weights) fuse the glue
+        # Decode steps on the CPU (float32 int4, float32 or bfloat16 dense) fuse the glue
         # between matmuls.
         self.fused_rows = fused_decode.matmul_rows(self)  # the matmul rows' dtype, or None
         self.fused_decode = self.fused_rows is not None
+        self.fused_tables = fused_decode.float32_tables(self) if self.fused_decode else None
 
     @staticmethod
     def _layer(sd: dict, i: int, weights: str) -> LayerWeights:
@@ -160,7 +161,7 @@ class PagedLlama:
         eps = self.shape.rms_norm_eps
         if self.fused_decode and fused_decode.supports_step(meta, pool):
             h = fused_decode.run_layers(self, input_ids, positions, meta, pool)
-            return rms_norm(h, self.final_norm, eps)
+            return rms_norm(h.to(self.dtype), self.final_norm, eps)
         h = F.embedding(input_ids, self.embed)
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
         for i, layer in enumerate(self.layers):
