@@ -361,12 +361,12 @@ int kvscope_paged_decode(void *out, const void *query, const int64_t *rows,
     int failed = 0;
 #pragma omp parallel if (total >= PARALLEL_MIN_ROWS && items > 1) reduction(| : failed)
     {
-        /* scores [group, max_len] + padding for a 16-wide store, row [d], acc and, for
-         * bfloat16 rows, q and out [group, d] each */
-        size_t floats = (size_t)(group * (max_len + 16) + d + 3 * group * d);
+        /* scores [group, max_len], row [d], acc and, for bfloat16 rows, q and out
+         * [group, d] each */
+        size_t floats = (size_t)(group * max_len + d + 3 * group * d);
         float *scores = malloc(sizeof(float) * floats);
         if (!scores) failed = 1;
-        float *row = scores ? scores + group * (max_len + 16) : NULL;
+        float *row = scores ? scores + group * max_len : NULL;
         float *acc = row ? row + d : NULL, *qf = acc ? acc + group * d : NULL;
         float *of = qf ? qf + group * d : NULL;
 #pragma omp for schedule(dynamic, num_kv_heads)

@@ -63,21 +63,21 @@ static inline __attribute__((always_inline)) float hsum16(v16f v) {
     return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
-/* e^x for x <= 0 (softmax after subtracting the max) in straight-line code the compiler
- * vectorizes, unlike libm's expf: 2^(x log2 e) split into 2^n (built in the exponent bits)
+/* 2^f for f in [0, 1), by a degree-6 polynomial in Horner form, for a float or a v16f f. */
+#define EXP2_FRACTION(f)                                                                   \
+    ((((((1.535336188319500e-4f * (f) + 1.339887440266574e-3f) * (f)                       \
+         + 9.618437357674640e-3f) * (f) + 5.550332471162809e-2f) * (f)                     \
+       + 2.402264791363012e-1f) * (f) + 6.931472028550421e-1f) * (f) + 1.0f)
+
+/* e^x for x <= 0 (softmax after subtracting the max, SiLU of -|x|), without libm:
+ * 2^(x log2 e) split into 2^n (built in the exponent bits)
  * times 2^f, f in [0, 1), by a degree-6 polynomial; relative error about 2e-7, a float32
  * rounding or two. Below -87, e^x is under float's smallest normal: 0. */
 static inline __attribute__((always_inline)) float exp_nonpositive(float x) {
     x = x < -87.0f ? -87.0f : x;
     float t = x * 1.44269504088896341f;
     float n = floorf(t), f = t - n;
-    float p = 1.535336188319500e-4f;
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
+    float p = EXP2_FRACTION(f);
     int32_t bits = ((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &bits, 4);
@@ -93,13 +93,7 @@ static inline __attribute__((always_inline)) v16f exp_nonpositive16(v16f x) {
     v16i n = __builtin_convertvector(t, v16i);  /* toward zero; t <= 0, so one above floor */
     n += (v16i)(__builtin_convertvector(n, v16f) > t);  /* true is -1 */
     v16f f = t - __builtin_convertvector(n, v16f);
-    v16f p = (v16f){0} + 1.535336188319500e-4f;
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
+    v16f p = EXP2_FRACTION(f);
     return p * (v16f)((n + 127) << 23);
 }
 
