@@ -89,7 +89,7 @@ class EngineStatusBar(QStatusBar):
         model = "SmolLM2-135M-Instruct (embedded)" if model == "default" else Path(model).name
         self.engine_label.setText(
             f"{e.get('device', '?')} · {model} · {e.get('dtype', '?')} · KV "
-            f"{e.get('kv_dtype', '?')}{rotation_text(e)} · block {e.get('block_size', '?')} · "
+            f"{e.get('kv_dtype', '?')}{rotation_text(e)}{anchors_text(e)} · block {e.get('block_size', '?')} · "
             f"{human_bytes(e.get('kv_cache_bytes'))} KV · up {stats.uptime_s:.0f} s")
         http = stats.server.get("http_in_flight")
         self.blocks_label.setText(f"blocks {e.get('num_free_blocks', 0)} free / "
@@ -143,3 +143,10 @@ def rotation_text(engine_stats: dict) -> str:
         return ""
     text = f" + {engine_stats.get('kv_rotation_matrix') or 'Hadamard'}"
     return text + " + K balance" if rotation == "calibrated" else text
+
+
+def anchors_text(engine_stats: dict) -> str:
+    """' + 4 exact' when a 1-byte pool keeps its openings' first positions exact
+    (EngineConfig.kv_anchor_tokens)."""
+    n = engine_stats.get("kv_anchor_tokens") or 0
+    return f" + {n} exact" if n > 0 else ""

@@ -1,8 +1,9 @@
 """What a KV dtype costs in accuracy, measured on the embedded model against float32 KV.
 
 For each KV dtype, with and without the K/V rotation (kernels/rotation.py) and the calibrated
-exact K shift and q/k balance on top of it (kernels/k_balance.py) -- 1-byte dtypes only, where
-they matter -- over the chat prompts of resources/kv_accuracy_prompts.txt (40, chosen before
+exact K shift and q/k balance on top of it (kernels/k_balance.py), and with and without anchor
+tokens (engine/kv_anchors.py: the first positions of each opening kept exact) -- 1-byte dtypes
+only, where they matter -- over the chat prompts of resources/kv_accuracy_prompts.txt (40, chosen before
 any measurement): prefix agreement (share of generated positions before the first token that
 differs from the float32-KV continuation, the number a user feels), positional agreement (share
 of positions whose token equals the reference's, which forgives a detour that comes back), mean
@@ -32,6 +33,7 @@ TEXT = Path(__file__).resolve().parent.parent / "resources" / "perplexity_text.t
 DTYPES = ["float32", "bfloat16", "float16", "int8", "fp8"]
 ROTATIONS = ["calibrated", "hadamard", "none"]
 ONE_BYTE = ("int8", "fp8")
+ANCHORS = [4, 0]
 
 
 def parse_args(argv):
@@ -40,6 +42,8 @@ def parse_args(argv):
     p.add_argument("--dtypes", nargs="+", default=DTYPES, choices=DTYPES)
     p.add_argument("--rotations", nargs="+", default=ROTATIONS, choices=ROTATIONS,
                    help="K/V rotations to compare on int8/fp8 (wider dtypes run unrotated)")
+    p.add_argument("--anchor-tokens", nargs="+", type=int, default=ANCHORS,
+                   help="anchor-token counts to compare on int8/fp8 (0 = none)")
     p.add_argument("--prompts", type=Path, default=PROMPTS_FILE,
                    help="a file of chat prompts, one a line")
     p.add_argument("--num-prompts", type=int, default=None, help="only the first N prompts")
@@ -108,13 +112,14 @@ def run(args) -> dict:
     engine = llm.engine
     reference = reference_of(engine, prompts, args.max_tokens)
     results = {}
-    for dtype, rotation in rows(args.dtypes, args.rotations):
-        name = row_name(dtype, rotation)
+    for dtype, rotation, anchors in rows(args.dtypes, args.rotations, args.anchor_tokens):
+        name = row_name(dtype, rotation, anchors)
         print(f"[kv-accuracy] {name} ...", file=sys.stderr)
-        engine.reconfigure(kv_dtype=dtype, kv_rotation=rotation)
+        engine.reconfigure(kv_dtype=dtype, kv_rotation=rotation, kv_anchor_tokens=anchors)
         result = measure(engine, prompts, reference, text_ids, args.max_tokens)
         result.pop("greedy")
-        results[name] = {"kv_dtype": dtype, "kv_rotation": rotation, **result}
+        results[name] = {"kv_dtype": dtype, "kv_rotation": rotation,
+                         "kv_anchor_tokens": anchors, **result}
     return results
 
 
@@ -127,20 +132,26 @@ def reference_of(engine, prompts, max_tokens) -> dict:
                                             for p, r in zip(prompts, tokens)]}
 
 
-def rows(dtypes: list[str], rotations: list[str]) -> list[tuple[str, str]]:
-    """(dtype, rotation) pairs: every rotation for 1-byte dtypes, unrotated for the rest."""
-    return [(d, r) for d in dtypes for r in (rotations if d in ONE_BYTE else ["none"])]
+def rows(dtypes: list[str], rotations: list[str], anchors: list[int] = (0,)
+         ) -> list[tuple[str, str, int]]:
+    """(dtype, rotation, anchor tokens): every rotation and anchor count for 1-byte dtypes,
+    unrotated and unanchored for the rest."""
+    return [(d, r, a) for d in dtypes for r in (rotations if d in ONE_BYTE else ["none"])
+            for a in (anchors if d in ONE_BYTE else [0])]
 
 
-def row_name(dtype: str, rotation: str) -> str:
-    return f"{dtype}+{rotation}" if dtype in ONE_BYTE else dtype
+def row_name(dtype: str, rotation: str, anchors: int = 0) -> str:
+    if dtype not in ONE_BYTE:
+        return dtype
+    return f"{dtype}+{rotation}" + (f"+anchors{anchors}" if anchors else "")
 
 
 def print_table(results: dict) -> None:
-    print(f"{'kv dtype':10} {'rotation':>9} {'bytes/token':>12} {'prefix agree':>13} "
-          f"{'position agree':>15} {'mean KL':>10} {'perplexity':>11}")
+    print(f"{'kv dtype':10} {'rotation':>10} {'anchors':>7} {'bytes/token':>12} "
+          f"{'prefix agree':>13} {'position agree':>15} {'mean KL':>10} {'perplexity':>11}")
     for r in results.values():
-        print(f"{r['kv_dtype']:10} {r['kv_rotation']:>9} {r['kv_bytes_per_token']:12d} "
+        print(f"{r['kv_dtype']:10} {r['kv_rotation']:>10} {r['kv_anchor_tokens']:7d} "
+              f"{r['kv_bytes_per_token']:12d} "
               f"{r['prefix_agreement']:12.1%} {r['positional_agreement']:14.1%} "
               f"{r['mean_kl']:10.5f} {r['perplexity']:11.3f}")
 

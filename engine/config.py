@@ -20,6 +20,12 @@ DEVICES = ("auto", "cpu", "cuda")
 # CPU"); dense everywhere else. 'dense' is the token-exact choice.
 WEIGHT_FORMATS = ("auto", "dense", "int4", "int8")
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
+# Anchor tokens (engine/kv_anchors.py): a 1-byte pool keeps the first N positions of each
+# opening exact in a small fixed table beside it (no bytes per token); 0 turns them off.
+# 4 by default: on the embedded model int8's mean KL from float32 KV falls 40 %
+# (benchmarks/kv_accuracy.py, README "KV dtypes"). Float pools ignore it.
+DEFAULT_KV_ANCHOR_TOKENS = 4
+MAX_KV_ANCHOR_TOKENS = 64
 
 
 def _fail(field: str, value, allowed: str) -> None:
@@ -39,6 +45,7 @@ class EngineConfig:
     block_size: int = 16
     kv_dtype: str = "auto"
     kv_rotation: str = "auto"
+    kv_anchor_tokens: int = DEFAULT_KV_ANCHOR_TOKENS
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
     num_kv_blocks: int | None = None
     max_num_seqs: int = 64
@@ -63,6 +70,10 @@ class EngineConfig:
             _fail("kv_dtype", self.kv_dtype, f"one of {KV_DTYPES}")
         if self.kv_rotation not in KV_ROTATIONS:
             _fail("kv_rotation", self.kv_rotation, f"one of {KV_ROTATIONS}")
+        if not _is_int(self.kv_anchor_tokens) \
+                or not 0 <= self.kv_anchor_tokens <= MAX_KV_ANCHOR_TOKENS:
+            _fail("kv_anchor_tokens", self.kv_anchor_tokens,
+                  f"a whole number from 0 (off) to {MAX_KV_ANCHOR_TOKENS}")
         if not _is_int(self.block_size) or not _is_power_of_two(self.block_size) \
                 or self.block_size > 256:
             _fail("block_size", self.block_size, "a power of two from 1 to 256")

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kv_anchors import AnchorTable
 from engine.model import ModelShape
 from kernels.k_balance import KBalanceLayer
 from kernels.quant import SCALE_DTYPE, is_quantized
@@ -36,13 +37,20 @@ class KVPool:
     # Per layer the exact K shift and q/k balance (kernels.k_balance) the pool's keys carry;
     # None when they are plain. Calibrated once per model (engine.kv_calibration).
     k_balance: list[KBalanceLayer] | None = None
+    # Per layer (k, v) of [entries, anchor tokens, kv_heads, head_dim] float32: the exact
+    # first positions of each opening (engine.kv_anchors), in the pool's rotated and balanced
+    # space; None when the pool keeps no anchors (wide dtypes, or anchors off).
+    anchors: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    anchor_table: AnchorTable | None = None
 
     @classmethod
     def allocate(cls, shape: ModelShape, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: str, rotation: str = "none",
-                 k_balance: list[KBalanceLayer] | None = None) -> KVPool:
+                 k_balance: list[KBalanceLayer] | None = None,
+                 anchor_tokens: int = 0) -> KVPool:
         """rotation: "calibrated" (Hadamard + `k_balance`, the calibrated per-layer K
-        transform), "hadamard" or "none" (kernels.rotation)."""
+        transform), "hadamard" or "none" (kernels.rotation). anchor_tokens: how many first
+        positions of each opening a 1-byte pool keeps exact (engine.kv_anchors); 0: none."""
         if (rotation == "calibrated") != (k_balance is not None):
             raise ValueError("a 'calibrated' pool needs its K balance, and only it takes one")
         dims = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
@@ -54,21 +62,35 @@ class KVPool:
         if is_quantized(dtype):
             scales = [(zeros(dims[:3], SCALE_DTYPE), zeros(dims[:3], SCALE_DTYPE))
                       for _ in range(shape.num_layers)]
+        anchors = table = None
+        if scales is not None and anchor_tokens > 0:
+            table = AnchorTable(anchor_tokens)
+            adims = (table.num_entries, anchor_tokens, shape.num_kv_heads, shape.head_dim)
+            anchors = [(zeros(adims, torch.float32), zeros(adims, torch.float32))
+                       for _ in range(shape.num_layers)]
         return cls(caches, scales, num_blocks, block_size, dtype,
                    kv_bytes_per_token(shape, dtype),
                    rotation_matrix("none" if rotation == "none" else "hadamard",
                                    shape.head_dim, device),
-                   [kb.to(device) for kb in k_balance] if k_balance is not None else None)
+                   [kb.to(device) for kb in k_balance] if k_balance is not None else None,
+                   anchors, table)
 
     def layer(self, i: int) -> tuple:
-        """(k_cache, v_cache, k_scale, v_scale, k_balance) of layer i; scales are None unless
-        quantized, k_balance None unless the keys are balanced."""
+        """(k_cache, v_cache, k_scale, v_scale, k_balance, anchors) of layer i; scales are
+        None unless quantized, k_balance None unless the keys are balanced, anchors (k, v)
+        None unless the pool keeps anchor tokens."""
         k, v = self.caches[i]
         ks, vs = self.scales[i] if self.scales else (None, None)
-        return k, v, ks, vs, self.k_balance[i] if self.k_balance is not None else None
+        return (k, v, ks, vs, self.k_balance[i] if self.k_balance is not None else None,
+                self.anchors[i] if self.anchors is not None else None)
 
     @property
     def nbytes(self) -> int:
         """Every byte of the pool, scale caches included."""
         total = sum(k.nbytes + v.nbytes for k, v in self.caches)
         return total + sum(k.nbytes + v.nbytes for k, v in self.scales or [])
+
+    @property
+    def anchor_nbytes(self) -> int:
+        """The anchor table's bytes: fixed, whatever the number of blocks or tokens."""
+        return sum(k.nbytes + v.nbytes for k, v in self.anchors or [])

@@ -37,9 +37,9 @@ def kv_dtype_name(dtype: torch.dtype) -> str:
     return "fp8" if dtype == torch.float8_e4m3fn else str(dtype).removeprefix("torch.")
 
 
-RECONFIGURABLE = frozenset({"block_size", "kv_dtype", "kv_rotation", "kv_cache_bytes",
-                            "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
-                            "enable_prefix_caching"})
+RECONFIGURABLE = frozenset({"block_size", "kv_dtype", "kv_rotation", "kv_anchor_tokens",
+                            "kv_cache_bytes", "num_kv_blocks", "max_num_seqs",
+                            "max_num_batched_tokens", "enable_prefix_caching"})
 
 
 class LLMEngine:
@@ -86,7 +86,8 @@ class LLMEngine:
                              f"one block of {cfg.block_size} tokens needs "
                              f"{cfg.block_size * per_token} bytes")
         self.pool = KVPool.allocate(shape, num_blocks, cfg.block_size, self.kv_dtype, self.device,
-                                    self.kv_rotation, self._k_balance(self.kv_rotation))
+                                    self.kv_rotation, self._k_balance(self.kv_rotation),
+                                    cfg.kv_anchor_tokens)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         old = getattr(self, "scheduler", None)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs,
@@ -332,6 +333,9 @@ class LLMEngine:
             "kv_rotation_matrix": matrix_name(self.model.shape.head_dim)
             if self.kv_rotation != "none" else None,
             "kv_bytes_per_token": self.pool.bytes_per_token,
+            "kv_anchor_tokens": self.pool.anchor_table.num_tokens
+            if self.pool.anchor_table is not None else 0,
+            "kv_anchor_bytes": self.pool.anchor_nbytes,
             "kv_cache_bytes": self.pool.nbytes,
             "num_free_blocks": bm.num_free_blocks,
             "num_cached_blocks": bm.num_cached_free_blocks,

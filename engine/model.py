@@ -179,11 +179,11 @@ class PagedLlama:
                                                         s.head_dim), cos, sin)
         q, k = qk[:, :s.num_heads], qk[:, s.num_heads:]
         v = qkv[:, q_size + kv_size:].view(-1, s.num_kv_heads, s.head_dim)
-        k_cache, v_cache, k_scale, v_scale, k_balance = kv
+        k_cache, v_cache, k_scale, v_scale, k_balance, anchors = kv
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale, meta.rotation,
-                 k_balance)
+                 k_balance, anchors, meta.anchor_fill)
         o = paged_attention(q, k_cache, v_cache, meta, self.scale, k_scale, v_scale,
-                            meta.rotation, k_balance)
+                            meta.rotation, k_balance, anchors)
         return layer.o_proj(o.reshape(-1, q_size))
 
     @staticmethod

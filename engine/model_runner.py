@@ -23,12 +23,21 @@ class ModelRunner:
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         """Logits [S, vocab] for the sequences whose chunk reaches their last known token."""
         input_ids, positions, meta, last_rows = self.prepare(batch)
-        hidden = self.model.forward(input_ids, positions, meta, self.pool)
+        hidden = self.forward(input_ids, positions, meta)
         if not last_rows:
             return hidden.new_empty((0, self.model.shape.vocab_size))
         if len(last_rows) == hidden.shape[0]:  # all decode rows: no gather needed
             return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states of a prepared step; once it has run, the anchor entries it claimed
+        hold their rows (engine.kv_anchors)."""
+        hidden = self.model.forward(input_ids, positions, meta, self.pool)
+        if self.pool.anchor_table is not None:
+            self.pool.anchor_table.commit()
+        return hidden
 
     def prepare(self, batch: list[ScheduledSeq]):
         """Plain lists first, then every integer field packed into one buffer that becomes one
@@ -74,7 +83,26 @@ class ModelRunner:
             prefill_seqs=prefill,
             rotation=self.pool.rotation,
         )
+        if self.pool.anchor_table is not None:
+            self.plan_anchors(batch, starts, meta)
         return packed[:num_rows], packed[num_rows:2 * num_rows], meta, last_rows
+
+    def plan_anchors(self, batch: list[ScheduledSeq], starts: list[int],
+                     meta: AttentionMetadata) -> None:
+        """Each sequence's anchor entry, and the rows that fill new ones (engine.kv_anchors)."""
+        table = self.pool.anchor_table
+        n = table.num_tokens
+        openings = []
+        for item, row in zip(batch, starts):
+            seq = item.seq
+            key = tuple(seq.token_ids[:n]) if len(seq.token_ids) >= n else None
+            start = seq.num_computed_tokens
+            openings.append((key, start, start + item.num_tokens, row))
+        plan = table.plan_step(openings)
+        meta.anchor_index = torch.tensor(plan.index, dtype=torch.long)
+        if plan.fill_rows:
+            meta.anchor_fill = (torch.tensor(plan.fill_rows, device=self.device),
+                                torch.tensor(plan.fill_slots, device=self.device))
 
     def decode_groups(self, starts: list[int], ctx_lens: list[int]):
         """The torch reference attention's decode groups. Built now when that reference is

@@ -26,7 +26,7 @@ def token_log_probs(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
     try:
         item = ScheduledSeq(seq, len(token_ids))
         input_ids, positions, meta, _ = engine.runner.prepare([item])
-        hidden = engine.model.forward(input_ids, positions, meta, engine.pool)
+        hidden = engine.runner.forward(input_ids, positions, meta)
         logits = engine.model.compute_logits(hidden[:-1])
     finally:
         bm.free(seq)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.anchors import Anchors, overlay_anchors
 from kernels.quant import dequantize
 
 
@@ -27,6 +28,10 @@ class AttentionMetadata:
     # The pool's K/V rotation R [head_dim, head_dim] (kernels.rotation), None if unrotated;
     # kernels.ops applies it, the references here always see plain tensors.
     rotation: torch.Tensor | None = None
+    # Anchor tokens (kernels.anchors, 1-byte pools): per sequence its anchor entry, -1 for
+    # none ([B] int64 on the host), and the step's anchor writes (batch rows, anchor rows).
+    anchor_index: torch.Tensor | None = None
+    anchor_fill: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def group_decode_rows(query_start_loc: list[int], context_lens: list[int],
@@ -84,9 +89,14 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int,
 def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float,
                         k_scale: torch.Tensor | None = None,
-                        v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """query: [T, heads, head_dim] -> [T, heads, head_dim]; scales for int8/fp8 pools."""
-    pool = (k_cache, v_cache, k_scale, v_scale)
+                        v_scale: torch.Tensor | None = None,
+                        anchors: Anchors | None = None) -> torch.Tensor:
+    """query: [T, heads, head_dim] -> [T, heads, head_dim]; scales for int8/fp8 pools;
+    anchors (kernels.anchors, with meta.anchor_index) replace the first positions of the
+    sequences that have an entry."""
+    if meta.anchor_index is None:
+        anchors = None
+    pool = (k_cache, v_cache, k_scale, v_scale, anchors)
     plans = decode_plans(meta, k_cache.shape[1], query.device)
     if len(plans) == 1 and not meta.prefill_seqs and plans[0].rows == slice(0, len(query)):
         # Every row decodes in one group, in order (a single chat, a steady batch): the
@@ -111,6 +121,7 @@ class DecodePlan:
     # [b, 1, 1, span] float: 0 for slots within each length, -inf past it (additive, so SDPA
     # does not convert a boolean mask in every layer); None if every slot counts.
     mask: torch.Tensor | None
+    anchor_index: torch.Tensor | None = None  # [b] the group's anchor entries (-1: none)
 
 
 def decode_plans(meta: AttentionMetadata, block_size: int, device) -> list[DecodePlan]:
@@ -119,6 +130,10 @@ def decode_plans(meta: AttentionMetadata, block_size: int, device) -> list[Decod
     plans = meta.__dict__.get(key)
     if plans is None:
         plans = [_plan(meta.block_tables, g, block_size, device) for g in meta.decode_groups]
+        if meta.anchor_index is not None:
+            for plan, (_, _, seqs) in zip(plans, meta.decode_groups):
+                plan.anchor_index = meta.anchor_index.index_select(
+                    0, seqs.to(meta.anchor_index.device)).to(device)
         meta.__dict__[key] = plans
     return plans
 
@@ -145,13 +160,16 @@ def _decode_attention(query, pool, plan: DecodePlan, scale) -> torch.Tensor:
     float32 (CPU SDPA in bfloat16 measured 2-3x slower at one query row), masking the slots
     past each sequence's length. The query heads that share a KV head become that head's
     query rows, so SDPA needs no GQA expansion. Returns [b, heads, head_dim] float32."""
-    k_cache, v_cache, k_scale, v_scale = pool
+    k_cache, v_cache, k_scale, v_scale, anchors = pool
     _, _, kv_heads, head_dim = k_cache.shape
     b, heads = plan.num_seqs, query.shape[1]
     k = gather_blocks(k_cache, plan.flat_blocks, k_scale, torch.float32)
     v = gather_blocks(v_cache, plan.flat_blocks, v_scale, torch.float32)
     k = k.view(b, plan.span, kv_heads, head_dim)
     v = v.view(b, plan.span, kv_heads, head_dim)
+    if anchors is not None:
+        overlay_anchors(k, plan.anchor_index, anchors[0])
+        overlay_anchors(v, plan.anchor_index, anchors[1])
     q = query[plan.rows].float().view(b, kv_heads, heads // kv_heads, head_dim)
     o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
                                        attn_mask=plan.mask, scale=scale)
@@ -159,11 +177,15 @@ def _decode_attention(query, pool, plan: DecodePlan, scale) -> torch.Tensor:
 
 
 def _prefill_attention(query, pool, meta, i, scale, out) -> None:
-    k_cache, v_cache, k_scale, v_scale = pool
+    k_cache, v_cache, k_scale, v_scale, anchors = pool
     start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
     q_len, ctx = end - start, meta.context_lens[i]
     k = gather_context(k_cache, meta.block_tables[i], ctx, k_scale, query.dtype)
     v = gather_context(v_cache, meta.block_tables[i], ctx, v_scale, query.dtype)
+    if anchors is not None:
+        index = meta.anchor_index[i:i + 1].to(k.device)
+        overlay_anchors(k[None], index, anchors[0])
+        overlay_anchors(v[None], index, anchors[1])
     # [1, heads, q_len, d]: with a batch dimension torch's CPU SDPA takes its fused (flash)
     # kernel; three-dimensional inputs fall back to the unfused math, 3-4x slower here.
     q = query[start:end].transpose(0, 1)[None]

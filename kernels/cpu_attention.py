@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from kernels import native
+from kernels.anchors import Anchors
 from kernels.attention_ref import AttentionMetadata, paged_attention_ref
 
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3,
@@ -26,30 +27,34 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
 def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float,
                         k_scale: torch.Tensor | None = None,
-                        v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                        v_scale: torch.Tensor | None = None,
+                        anchors: Anchors | None = None) -> torch.Tensor:
     """As kernels.attention_ref.paged_attention_ref: decode rows through the kernel, prefill
     chunks through the reference."""
-    rows, tables, lens = decode_rows(meta)
+    rows, tables, lens, anchor_idx = decode_rows(meta)
     if not len(rows):
-        return paged_attention_ref(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
+        return paged_attention_ref(query, k_cache, v_cache, meta, scale, k_scale, v_scale,
+                                   anchors)
+    pool = (k_cache, v_cache, k_scale, v_scale, anchors if anchor_idx is not None else None)
     if not meta.prefill_seqs and query.dtype in IO_DTYPES:  # rows in and out as they are
         q = query.contiguous()
         out = torch.empty_like(q)
-        _run(out, q, rows, tables, lens, k_cache, v_cache, k_scale, v_scale, scale)
+        _run(out, q, rows, tables, lens, anchor_idx, pool, scale)
         return out
     q = query.float().contiguous()
     if meta.prefill_seqs:  # the reference fills the prefill rows; the kernel the rest
         out = paged_attention_ref(query, k_cache, v_cache, _prefill_only(meta), scale,
-                                  k_scale, v_scale).float().contiguous()
+                                  k_scale, v_scale, anchors).float().contiguous()
     else:
         out = torch.empty_like(q)
-    _run(out, q, rows, tables, lens, k_cache, v_cache, k_scale, v_scale, scale)
+    _run(out, q, rows, tables, lens, anchor_idx, pool, scale)
     return out.to(query.dtype)
 
 
 def decode_rows(meta: AttentionMetadata):
-    """(query rows, block tables, context lengths) of the step's decode rows, int64 and
-    contiguous, worked out on the first layer's call and kept on `meta`."""
+    """(query rows, block tables, context lengths, anchor entries or None) of the step's
+    decode rows, int64 and contiguous, worked out on the first layer's call and kept on
+    `meta`."""
     got = meta.__dict__.get("_cpu_decode_rows")
     if got is None:
         qsl, ctx = meta.query_start_loc, meta.context_lens
@@ -57,25 +62,36 @@ def decode_rows(meta: AttentionMetadata):
         tables = meta.block_tables
         if len(idx) < len(ctx):
             tables = tables.index_select(0, torch.tensor(idx, dtype=torch.long))
+        anchors = meta.anchor_index
+        if anchors is not None:
+            anchors = anchors.index_select(0, torch.tensor(idx, dtype=torch.long)).contiguous()
         got = (torch.tensor([qsl[i] for i in idx], dtype=torch.long), tables.contiguous(),
-               torch.tensor([ctx[i] for i in idx], dtype=torch.long))
+               torch.tensor([ctx[i] for i in idx], dtype=torch.long), anchors)
         meta.__dict__["_cpu_decode_rows"] = got
     return got
 
 
 def _prefill_only(meta: AttentionMetadata) -> AttentionMetadata:
     return AttentionMetadata(meta.query_start_loc, meta.context_lens, meta.block_tables,
-                             meta.slot_mapping, [], meta.prefill_seqs, meta.rotation)
+                             meta.slot_mapping, [], meta.prefill_seqs, meta.rotation,
+                             meta.anchor_index)
 
 
-def _run(out, q, rows, tables, lens, k_cache, v_cache, k_scale, v_scale, scale) -> None:
+def _run(out, q, rows, tables, lens, anchor_idx, pool, scale) -> None:
     lib = native.library()
+    k_cache, v_cache, k_scale, v_scale, anchors = pool
     _, block_size, kv_heads, head_dim = k_cache.shape
     ptr = lambda t: None if t is None else t.data_ptr()
+    ak, av = anchors if anchors is not None else (None, None)
+    if anchors is None:
+        anchor_idx = None
+    elif not (ak.is_contiguous() and av.is_contiguous() and ak.dtype == torch.float32):
+        raise ValueError("anchor rows must be contiguous float32")
     status = lib.kvscope_paged_decode(
         out.data_ptr(), q.data_ptr(), rows.data_ptr(), tables.data_ptr(), tables.shape[1],
         lens.data_ptr(), 0, len(rows), k_cache.data_ptr(), v_cache.data_ptr(), ptr(k_scale),
         ptr(v_scale), q.shape[1], kv_heads, head_dim, block_size, KINDS[k_cache.dtype], scale,
-        int(q.dtype == torch.bfloat16))
+        int(q.dtype == torch.bfloat16), ptr(ak), ptr(av), ptr(anchor_idx),
+        ak.shape[1] if ak is not None else 0)
     if status:
         raise MemoryError("the CPU attention kernel could not allocate its score buffer")

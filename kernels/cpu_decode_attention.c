@@ -99,12 +99,14 @@ static inline __attribute__((always_inline)) void attend_head(
         float *out, const float *q, const int64_t *table, int64_t len, const void *k_cache,
         const void *v_cache, const float *k_scale, const float *v_scale, int64_t h,
         int64_t group, int64_t num_kv_heads, int64_t d, int64_t block_size, int kind,
-        float sm_scale, float *scores, float *row, float *acc) {
+        float sm_scale, float *scores, float *row, float *acc, const float *ak,
+        const float *av, int64_t na) {
     for (int64_t start = 0, b = 0; start < len; start += block_size, b++) {
         int64_t n = len - start < block_size ? len - start : block_size;
         int64_t at = table[b] * block_size * num_kv_heads + h;
         for (int64_t j = 0; j < n; j++, at += num_kv_heads) {
-            load_row(row, k_cache, at * d, d, kind, k_scale ? k_scale[at] : 1.0f);
+            if (start + j < na) load_row(row, ak, (start + j) * num_kv_heads * d, d, KV_F32, 1.0f);
+            else load_row(row, k_cache, at * d, d, kind, k_scale ? k_scale[at] : 1.0f);
             for (int64_t g = 0; g < group; g++)
                 scores[g * len + start + j] = dot(q + g * d, row, d) * sm_scale;
         }
@@ -123,7 +125,8 @@ static inline __attribute__((always_inline)) void attend_head(
         int64_t n = len - start < block_size ? len - start : block_size;
         int64_t at = table[b] * block_size * num_kv_heads + h;
         for (int64_t j = 0; j < n; j++, at += num_kv_heads) {
-            load_row(row, v_cache, at * d, d, kind, v_scale ? v_scale[at] : 1.0f);
+            if (start + j < na) load_row(row, av, (start + j) * num_kv_heads * d, d, KV_F32, 1.0f);
+            else load_row(row, v_cache, at * d, d, kind, v_scale ? v_scale[at] : 1.0f);
             for (int64_t g = 0; g < group; g++) {
                 float p = scores[g * len + start + j], *a = acc + g * d;
 #pragma omp simd
@@ -217,7 +220,7 @@ static inline __attribute__((always_inline)) void attend_head64(
         float *out, const float *q, const int64_t *table, int64_t len, const void *k_cache,
         const void *v_cache, const float *k_scale, const float *v_scale, int64_t h,
         int64_t group, int64_t num_kv_heads, int64_t block_size, int kind, float sm_scale,
-        float *scores) {
+        float *scores, const float *ak, const float *av, int64_t na) {
     v16f qv[MAX_GROUP][4], acc[MAX_GROUP][4], r[4], part[MAX_GROUP][16];
     for (int64_t g = 0; g < group; g++)
         for (int i = 0; i < 4; i++) qv[g][i] = *(const v16f_u *)(q + g * 64 + 16 * i);
@@ -228,7 +231,8 @@ static inline __attribute__((always_inline)) void attend_head64(
         int64_t n = len - start < block_size ? len - start : block_size;
         int64_t at = table[b] * block_size * num_kv_heads + h;
         for (int64_t j = 0; j < n; j++, at += num_kv_heads) {
-            load_row64(r, k_cache, at * 64, kind, k_scale ? k_scale[at] : 1.0f);
+            if (start + j < na) load_row64(r, ak, (start + j) * num_kv_heads * 64, KV_F32, 1.0f);
+            else load_row64(r, k_cache, at * 64, kind, k_scale ? k_scale[at] : 1.0f);
             for (int64_t g = 0; g < group; g++)
                 part[g][c] = qv[g][0] * r[0] + qv[g][1] * r[1] + (qv[g][2] * r[2] + qv[g][3] * r[3]);
             if (++c == 16) {
@@ -249,7 +253,8 @@ static inline __attribute__((always_inline)) void attend_head64(
         int64_t n = len - start < block_size ? len - start : block_size;
         int64_t at = table[b] * block_size * num_kv_heads + h;
         for (int64_t j = 0; j < n; j++, at += num_kv_heads) {
-            load_row64(r, v_cache, at * 64, kind, v_scale ? v_scale[at] : 1.0f);
+            if (start + j < na) load_row64(r, av, (start + j) * num_kv_heads * 64, KV_F32, 1.0f);
+            else load_row64(r, v_cache, at * 64, kind, v_scale ? v_scale[at] : 1.0f);
             for (int64_t g = 0; g < group; g++) {
                 float p = scores[g * len + start + j];
                 for (int i = 0; i < 4; i++) acc[g][i] += p * r[i];
@@ -266,9 +271,11 @@ static inline __attribute__((always_inline)) void attend_head64(
     static void name(float *out, const float *q, const int64_t *table, int64_t len,        \
                      const void *kc, const void *vc, const float *ks, const float *vs,      \
                      int64_t h, int64_t group, int64_t kvh, int64_t d, int64_t bs,          \
-                     float sm, float *scores, float *row, float *acc) {                     \
+                     float sm, float *scores, float *row, float *acc, const float *ak,      \
+                     const float *av, int64_t na) {                                         \
         (void)d; (void)row; (void)acc; (void)group;                                         \
-        attend_head64(out, q, table, len, kc, vc, ks, vs, h, G, kvh, bs, KIND, sm, scores); \
+        attend_head64(out, q, table, len, kc, vc, ks, vs, h, G, kvh, bs, KIND, sm, scores,  \
+                      ak, av, na);                                                          \
     }
 #define SPECIALISE64_GROUPS(prefix, KIND)                                                  \
     SPECIALISE64(prefix##_g1, KIND, 1) SPECIALISE64(prefix##_g2, KIND, 2)                  \
@@ -286,10 +293,11 @@ SPECIALISE64_GROUPS(attend64_fp8, KV_FP8)
     static void name(float *out, const float *q, const int64_t *table, int64_t len,        \
                      const void *kc, const void *vc, const float *ks, const float *vs,      \
                      int64_t h, int64_t group, int64_t kvh, int64_t d, int64_t bs,          \
-                     float sm, float *scores, float *row, float *acc) {                     \
+                     float sm, float *scores, float *row, float *acc, const float *ak,      \
+                     const float *av, int64_t na) {                                         \
         (void)d;                                                                            \
         attend_head(out, q, table, len, kc, vc, ks, vs, h, group, kvh, D, bs, KIND, sm,     \
-                    scores, row, acc);                                                      \
+                    scores, row, acc, ak, av, na);                                          \
     }
 SPECIALISE(attend_f32, KV_F32, d)
 SPECIALISE(attend_bf16, KV_BF16, d)
@@ -299,7 +307,8 @@ SPECIALISE(attend_fp8, KV_FP8, d)
 
 typedef void (*attend_fn)(float *, const float *, const int64_t *, int64_t, const void *,
                           const void *, const float *, const float *, int64_t, int64_t,
-                          int64_t, int64_t, int64_t, float, float *, float *, float *);
+                          int64_t, int64_t, int64_t, float, float *, float *, float *,
+                          const float *, const float *, int64_t);
 
 static attend_fn pick(int kind, int64_t d, int64_t group) {
     static const attend_fn any[] = {attend_f32, attend_bf16, attend_f16, attend_i8, attend_fp8};
@@ -336,6 +345,9 @@ static inline void narrow_bf16(uint16_t *dst, const float *src, int64_t n) {
  * per layer); caches: [num_blocks, block_size, num_kv_heads, head_dim]; scales (1-byte
  * pools): [num_blocks, block_size, num_kv_heads] float32, else NULL. rows[i]: the query row
  * of sequence i; tables[i * table_stride + j]: its j-th block; lens[i]: its context length.
+ * Anchors (kernels/anchors.py; NULL when the pool keeps none): anchor_k/anchor_v [entries,
+ * anchor_len, num_kv_heads, head_dim] float32 and anchor_idx[i] sequence i's entry (-1: none);
+ * positions below anchor_len of a sequence with an entry are read from there.
  *
  * The (sequence, KV head) pairs are shared out over OpenMP threads a sequence at a time: its
  * heads' rows interleave in each block, so the head after the first finds them in the cache
@@ -349,7 +361,8 @@ int kvscope_paged_decode(void *out, const void *query, const int64_t *rows,
                          int64_t first, int64_t last, const void *k_cache, const void *v_cache,
                          const float *k_scale, const float *v_scale, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int kind,
-                         float sm_scale, int io_bf16) {
+                         float sm_scale, int io_bf16, const float *anchor_k,
+                         const float *anchor_v, const int64_t *anchor_idx, int64_t anchor_len) {
     const int64_t group = num_heads / num_kv_heads, d = head_dim;
     int64_t max_len = 0, total = 0;
     for (int64_t i = first; i < last; i++) {
@@ -381,8 +394,17 @@ int kvscope_paged_decode(void *out, const void *query, const int64_t *rows,
                 q = qf;
                 o = of;
             }
+            const float *ak = NULL, *av = NULL;
+            int64_t na = 0;
+            if (anchor_idx && anchor_idx[i] >= 0) {
+                int64_t base = (anchor_idx[i] * anchor_len * num_kv_heads + h) * d;
+                ak = anchor_k + base;
+                av = anchor_v + base;
+                na = anchor_len < lens[i] ? anchor_len : lens[i];
+            }
             attend(o, q, tables + i * table_stride, lens[i], k_cache, v_cache, k_scale,
-                   v_scale, h, group, num_kv_heads, d, block_size, sm_scale, scores, row, acc);
+                   v_scale, h, group, num_kv_heads, d, block_size, sm_scale, scores, row, acc,
+                   ak, av, na);
             if (io_bf16) narrow_bf16((uint16_t *)out + at, of, group * d);
         }
         free(scores);

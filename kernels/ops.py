@@ -13,6 +13,7 @@ import os
 import torch
 
 from kernels import cpu_attention, native
+from kernels.anchors import Anchors, write_anchors
 from kernels.attention_ref import AttentionMetadata, paged_attention_ref
 from kernels.k_balance import KBalanceLayer, balance_k, balance_q
 from kernels.kv_write_ref import write_kv_ref
@@ -43,11 +44,19 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slot_mapping: torch.Tensor,
              k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
              rotation: torch.Tensor | None = None,
-             k_balance: KBalanceLayer | None = None) -> None:
+             k_balance: KBalanceLayer | None = None, anchors: Anchors | None = None,
+             anchor_fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Scatter new K/V rows into their slots (quantizing for int8/fp8 pools); see
     kernels.kv_write_ref.write_kv_ref. With a `rotation` R (kernels.rotation) the pool holds
     key @ R and value @ R; with a `k_balance` (kernels.k_balance) the key is first shifted
-    and scaled per channel, ((key - c) * g) @ R. The Triton kernel does both in registers."""
+    and scaled per channel, ((key - c) * g) @ R. The Triton kernel does both in registers.
+    `anchor_fill` (batch rows, anchor rows): those rows also go, unquantized, into
+    `anchors` (kernels.anchors) -- a few rows of a step that opens a new sequence, in torch
+    on every path."""
+    if anchors is not None and anchor_fill is not None and len(anchor_fill[0]):
+        rows, slots = anchor_fill
+        write_anchors(rotate(balance_k(key[rows], k_balance), rotation),
+                      rotate(value[rows], rotation), slots, anchors)
     if backend(k_cache.device) == "triton":
         from kernels.triton_kv_write import write_kv_triton
 
@@ -63,24 +72,27 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None,
                     rotation: torch.Tensor | None = None,
-                    k_balance: KBalanceLayer | None = None) -> torch.Tensor:
+                    k_balance: KBalanceLayer | None = None,
+                    anchors: Anchors | None = None) -> torch.Tensor:
     """Varlen paged attention (decode rows and prefill chunks); see
     kernels.attention_ref.paged_attention_ref. With a `rotation` R the pool holds rotated K/V:
     the query is rotated the same way and the output rotated back (o = (o R) R^T), so the
     result is attention over the unrotated K/V. With a `k_balance` the pool's keys are
     ((k - c) * g) @ R and the query attends as (q / g) @ R: every score of a query moves by
-    the same q.c, which softmax ignores. The Triton kernel does all of it in registers."""
+    the same q.c, which softmax ignores. The Triton kernel does all of it in registers.
+    `anchors` (kernels.anchors, with meta.anchor_index): the first positions of sequences
+    with an anchor entry are read from it instead of the pool."""
     path = backend(query.device)
     if path == "triton":
         from kernels.triton_attention import paged_attention_triton
 
         return paged_attention_triton(query, k_cache, v_cache, meta, scale, k_scale, v_scale,
-                                      rotation=rotation, k_balance=k_balance)
+                                      rotation=rotation, k_balance=k_balance, anchors=anchors)
     attend = paged_attention_ref
     if path == "cpu" and cpu_attention.supports(query, k_cache):
         attend = cpu_attention.paged_attention_cpu
     if rotation is None and k_balance is None:
-        return attend(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
+        return attend(query, k_cache, v_cache, meta, scale, k_scale, v_scale, anchors)
     q = rotate(balance_q(query, k_balance), rotation).to(query.dtype)
-    out = attend(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+    out = attend(q, k_cache, v_cache, meta, scale, k_scale, v_scale, anchors)
     return unrotate(out, rotation).to(query.dtype)

@@ -54,6 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.anchors import Anchors
 from kernels.attention_ref import AttentionMetadata
 from kernels.k_balance import KBalanceLayer
 from kernels.quant import is_quantized
@@ -91,6 +92,9 @@ def _paged_attention_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr,
     rot_ptr,                          # R [HEAD_DIM, HEAD_DIM] float32 when ROTATE
     qgain_ptr,                        # K balance 1 / g [kv_heads, HEAD_DIM] when BALANCE
+    anchor_k_ptr, anchor_v_ptr,       # anchor rows [entries, ANCHOR_LEN, kv_heads, HEAD_DIM]
+    anchor_idx_ptr,                   # [B] int32 anchor entry per sequence (-1: none)
+    sae, sas, sah,                    # anchor row strides (entry, position, head)
     sqt, sqh, sqd,                    # query strides
     scb, scs, sch, scd,               # cache strides (K and V share them)
     ssb, sss, ssh,                    # scale cache strides
@@ -104,6 +108,7 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, KV_KIND: tl.constexpr,
     QUANT: tl.constexpr, DOT: tl.constexpr, F32_PRECISION: tl.constexpr,
     BF16_OUT: tl.constexpr, ROTATE: tl.constexpr, BALANCE: tl.constexpr,
+    ANCHOR_LEN: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -150,6 +155,9 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     bt_row = block_tables_ptr + seq * sbt
     n = tl.arange(0, BLOCK_N)
+    if ANCHOR_LEN > 0:
+        a_entry = tl.load(anchor_idx_ptr + seq).to(tl.int64)
+        a_len = tl.where(a_entry >= 0, ANCHOR_LEN, 0)  # anchored positions: pos < a_len
 
     for start in range(lo, hi, BLOCK_N):
         pos = start + n
@@ -166,12 +174,22 @@ def _paged_attention_kernel(
         kv_off = slot_off[:, None] + kvh * sch + d[None, :] * scd
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = _codes_to(tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0), KV_KIND, DOT)
+        if ANCHOR_LEN > 0:
+            # Positions below ANCHOR_LEN of a sequence with an anchor entry: the exact rows
+            # (float32, unit scale) instead of the codes.
+            is_a = n_ok & (pos < a_len)
+            a_off = a_entry * sae + pos.to(tl.int64) * sas + kvh * sah
+            a_mask = is_a[:, None] & d_ok[None, :]
+            ak = tl.load(anchor_k_ptr + a_off[:, None] + d[None, :], mask=a_mask, other=0.0)
+            k = tl.where(is_a[:, None], ak.to(DOT), k)
         if F32_PRECISION == "":
             s = tl.dot(q, tl.trans(k))
         else:
             s = tl.dot(q, tl.trans(k), input_precision=F32_PRECISION)
         if QUANT:
             ks = tl.load(k_scale_ptr + sc_off + kvh * ssh, mask=n_ok, other=0.0)
+            if ANCHOR_LEN > 0:
+                ks = tl.where(is_a, 1.0 / v_fix, ks)
             s = s * (ks * qk_scale)[None, :]
         else:
             s = s * qk_scale
@@ -184,8 +202,13 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
         v = _codes_to(tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0), KV_KIND, DOT)
+        if ANCHOR_LEN > 0:
+            av = tl.load(anchor_v_ptr + a_off[:, None] + d[None, :], mask=a_mask, other=0.0)
+            v = tl.where(is_a[:, None], av.to(DOT), v)
         if QUANT:
             vs = tl.load(v_scale_ptr + sc_off + kvh * ssh, mask=n_ok, other=0.0)
+            if ANCHOR_LEN > 0:
+                vs = tl.where(is_a, 1.0 / v_fix, vs)
             p = p * (vs * v_fix)[None, :]
         if F32_PRECISION == "":
             acc += tl.dot(p.to(DOT), v)
@@ -285,6 +308,8 @@ def _step_tensors(meta: AttentionMetadata, device: torch.device, block_q: int):
         "qsl": packed[:b + 1], "ctx": packed[b + 1:2 * b + 1],
         "tile_seq": packed[2 * b + 1:2 * b + 1 + n], "tile_q": packed[2 * b + 1 + n:],
         "num_tiles": n, "block_tables": tables, "max_ctx": max(ctx, default=0),
+        "anchor_index": None if meta.anchor_index is None
+        else meta.anchor_index.to(device=device, dtype=torch.int32),
     }
     cache[key] = hit
     return hit
@@ -306,6 +331,7 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            v_scale: torch.Tensor | None = None, *,
                            rotation: torch.Tensor | None = None,
                            k_balance: KBalanceLayer | None = None,
+                           anchors: Anchors | None = None,
                            out: torch.Tensor | None = None, num_splits: int | None = None,
                            block_n: int | None = None) -> torch.Tensor:
     """query: [T, heads, head_dim] -> [T, heads, head_dim] in query's dtype.
@@ -314,7 +340,9 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     V @ R; the kernel rotates q by R after loading it and the output by R^T before storing
     it, so the result is attention over the unrotated K/V), `k_balance` (kernels.k_balance:
     the pool's keys were shifted and scaled per channel; the query is scaled by 1 / g of its
-    KV head before the rotation), `out` (written in place and
+    KV head before the rotation), `anchors` (kernels.anchors, with meta.anchor_index: the
+    first positions of a sequence with an entry are read from those float32 rows instead
+    of the pool), `out` (written in place and
     returned), `num_splits` (KV splits per
     tile; default: chosen from the GPU's size, 1 on the interpreter), `block_n` (KV tile).
     """
@@ -398,11 +426,14 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         part_acc = part_ml = out  # placeholders, never written
     tables = step["block_tables"]
     bf16_out = query.dtype == torch.bfloat16
+    ak, av, a_idx, a_len = _anchor_args(anchors, step["anchor_index"], kv_heads, head_dim,
+                                        device, query)
     _paged_attention_kernel[(n_tiles, kv_heads, num_splits)](
         query, kc, vc, ks, vs, tables,
         step["qsl"], step["ctx"], step["tile_seq"], step["tile_q"],
         out, part_acc, part_ml, query if rot is None else rot,
         query if kb is None else kb.q_gain,
+        ak, av, a_idx, *(ak.stride()[:3] if a_len else (0, 0, 0)),
         *query.stride(), *k_cache.stride(), *scale_strides, tables.stride(0), *out.stride(),
         num_tokens, num_heads,
         float(scale) * _LOG2E * fix, fix,
@@ -411,7 +442,7 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         KV_KIND=kind, QUANT=quant, DOT=dot_tl[dot],
         F32_PRECISION=("ieee" if interpret else "tf32x3") if f32 else "",
         BF16_OUT=bf16_out, ROTATE=rot is not None, BALANCE=kb is not None,
-        num_warps=num_warps,
+        ANCHOR_LEN=a_len, num_warps=num_warps,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
@@ -420,3 +451,18 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_D=block_d, BF16_OUT=bf16_out,
         )
     return out
+
+
+def _anchor_args(anchors, index, kv_heads, head_dim, device, placeholder):
+    """(anchor K, anchor V, entry per sequence, anchor length) for the kernel; placeholders
+    and length 0 when there are none."""
+    if anchors is None or index is None:
+        return placeholder, placeholder, placeholder, 0
+    ak, av = anchors
+    if ak.shape != av.shape or ak.dim() != 4 or ak.shape[2:] != (kv_heads, head_dim) \
+            or ak.dtype != torch.float32 or av.stride() != ak.stride() or ak.stride(3) != 1:
+        raise ValueError(f"anchor rows {tuple(ak.shape)} must be float32 [entries, n, "
+                         f"{kv_heads}, {head_dim}], K and V alike and contiguous per row")
+    if ak.device != device:
+        raise ValueError(f"anchor rows on {ak.device}, query on {device}")
+    return ak, av, index, ak.shape[1]

@@ -84,6 +84,20 @@ def test_kv_rotation_is_a_knob_next_to_the_dtype(qtbot):
 def test_an_engine_without_the_rotation_option_is_not_sent_one(qtbot):
     panel = ControlsPanel()
     qtbot.addWidget(panel)
-    panel.show_config(CONFIG)  # no kv_rotation in it
+    panel.show_config(CONFIG)  # no kv_rotation or kv_anchor_tokens in it
     panel.block_size.setCurrentText("32")
+    panel.kv_anchors.setValue(4)
     assert panel.changes() == {"block_size": 32}
+
+
+def test_exact_first_tokens_is_a_knob(qtbot):
+    panel = ControlsPanel()
+    qtbot.addWidget(panel)
+    panel.show_config(dict(CONFIG, kv_dtype="int8", kv_anchor_tokens=4))
+    assert panel.kv_anchors.value() == 4 and panel.changes() == {}
+    panel.kv_anchors.setValue(0)
+    with qtbot.waitSignal(panel.reconfigureRequested) as sig:
+        panel.apply_button.click()
+    assert sig.args == [{"kv_anchor_tokens": 0}]
+    panel.show_applied(dict(CONFIG, kv_dtype="int8", kv_anchor_tokens=0))
+    assert "kv_anchor_tokens=0" in panel.result.text() and panel.changes() == {}

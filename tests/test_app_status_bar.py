@@ -72,4 +72,7 @@ def test_the_kv_rotation_is_shown_with_the_dtype(qtbot):
     bar.show_stats(stats_frame(kv_dtype="int8", kv_rotation="calibrated",
                                kv_rotation_matrix="Hadamard"))
     assert "KV int8 + Hadamard + K balance ·" in bar.engine_label.text()
+    bar.show_stats(stats_frame(kv_dtype="int8", kv_rotation="calibrated",
+                               kv_rotation_matrix="Hadamard", kv_anchor_tokens=4))
+    assert "KV int8 + Hadamard + K balance + 4 exact ·" in bar.engine_label.text()
     bar.stop_watching()

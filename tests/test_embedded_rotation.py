@@ -30,9 +30,10 @@ def test_rotation_cuts_int8_kl_on_the_embedded_model():
                                      ("int8", "int8", "none"),
                                      ("int8+hadamard", "int8", "hadamard"),
                                      ("int8+calibrated", "int8", "calibrated")):
-        # Dense weights: the KV storage is the only thing that differs between the runs.
+        # Dense weights: the KV storage is the only thing that differs between the runs; no
+        # anchor tokens, so the rotation alone is measured (tests/test_kv_anchors.py).
         llm = LLM(EngineConfig(kv_dtype=kv_dtype, kv_rotation=rotation, num_kv_blocks=32,
-                               weights="dense"),
+                               weights="dense", kv_anchor_tokens=0),
                   loaded=loaded)
         scores[name] = token_log_probs(llm.engine, ids)
         assert llm.stats()["kv_rotation"] == rotation

@@ -18,10 +18,13 @@ def test_the_prompt_file_holds_forty_distinct_prompts(tmp_path):
 
 def test_rows_compare_every_rotation_on_one_byte_dtypes_only():
     rows = kv_accuracy.rows(["float32", "int8", "fp8"], ["calibrated", "hadamard", "none"])
-    assert rows == [("float32", "none"), ("int8", "calibrated"), ("int8", "hadamard"),
-                    ("int8", "none"), ("fp8", "calibrated"), ("fp8", "hadamard"),
-                    ("fp8", "none")]
+    assert rows == [("float32", "none", 0), ("int8", "calibrated", 0), ("int8", "hadamard", 0),
+                    ("int8", "none", 0), ("fp8", "calibrated", 0), ("fp8", "hadamard", 0),
+                    ("fp8", "none", 0)]
+    assert kv_accuracy.rows(["bfloat16", "int8"], ["calibrated"], [4, 0]) == [
+        ("bfloat16", "none", 0), ("int8", "calibrated", 4), ("int8", "calibrated", 0)]
     assert kv_accuracy.row_name("int8", "calibrated") == "int8+calibrated"
+    assert kv_accuracy.row_name("int8", "calibrated", 4) == "int8+calibrated+anchors4"
     assert kv_accuracy.row_name("bfloat16", "none") == "bfloat16"
 
 

@@ -1,4 +1,4 @@
-"""Engine knobs: block size, KV dtype and its rotation, KV budget, max sequences, max batched
+"""Engine knobs: block size, KV dtype, its rotation and exact first tokens, KV budget, max sequences, max batched
 tokens, prefix caching. Apply emits the changed values; the panel then shows what the engine
 applied (or the refusal and its reason), busy while the pool is rebuilt."""
 from __future__ import annotations
@@ -23,8 +23,11 @@ KV_ROTATIONS = ["auto", "calibrated", "hadamard", "none"]
 ONE_BYTE = ("int8", "fp8")
 ROTATED_BY_DEFAULT = ("int8", "fp8")  # "auto" is "calibrated" for these (engine/config.py)
 MIB = 1024 * 1024
-KEYS = ("block_size", "kv_dtype", "kv_rotation", "kv_cache_bytes", "max_num_seqs",
-        "max_num_batched_tokens", "enable_prefix_caching")
+KEYS = ("block_size", "kv_dtype", "kv_rotation", "kv_anchor_tokens", "kv_cache_bytes",
+        "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching")
+# Options an older engine may not have: not sent when its config does not name them.
+OPTIONAL = ("kv_rotation", "kv_anchor_tokens")
+MAX_ANCHOR_TOKENS = 64  # engine/config.py MAX_KV_ANCHOR_TOKENS
 
 
 class ControlsPanel(QWidget):
@@ -51,6 +54,12 @@ class ControlsPanel(QWidget):
         self.rotation_note.setWordWrap(True)
         self.kv_dtype.currentTextChanged.connect(lambda _t: self._show_rotation_note())
         self.kv_rotation.currentTextChanged.connect(lambda _t: self._show_rotation_note())
+        self.kv_anchors = QSpinBox()
+        self.kv_anchors.setRange(0, MAX_ANCHOR_TOKENS)
+        self.kv_anchors.setToolTip(
+            "int8/fp8 KV: keep the first N positions of each conversation's opening (the "
+            "attention sink most heads look at) exact, in a small fixed table beside the pool: "
+            "no bytes per token. 0 = off. Float KV ignores it.")
         self.kv_budget = QSpinBox()
         self.kv_budget.setRange(1, 1024 * 1024)
         self.kv_budget.setSuffix(" MiB")
@@ -68,6 +77,7 @@ class ControlsPanel(QWidget):
         form.addRow("KV dtype", self.kv_dtype)
         form.addRow("KV rotation", self.kv_rotation)
         form.addRow("", self.rotation_note)
+        form.addRow("KV exact first tokens", self.kv_anchors)
         form.addRow("KV memory budget", self.kv_budget)
         form.addRow("", self.budget_note)
         form.addRow("max sequences", self.max_seqs)
@@ -100,7 +110,8 @@ class ControlsPanel(QWidget):
         self.set_enabled(False)
 
     def set_enabled(self, enabled: bool) -> None:
-        for w in (self.block_size, self.kv_dtype, self.kv_rotation, self.kv_budget, self.max_seqs,
+        for w in (self.block_size, self.kv_dtype, self.kv_rotation, self.kv_anchors,
+                  self.kv_budget, self.max_seqs,
                   self.max_batched, self.prefix_caching, self.apply_button,
                   self.revert_button):
             w.setEnabled(enabled and not self.busy)
@@ -109,6 +120,7 @@ class ControlsPanel(QWidget):
         return {"block_size": int(self.block_size.currentText()),
                 "kv_dtype": self.kv_dtype.currentText(),
                 "kv_rotation": self.kv_rotation.currentText(),
+                "kv_anchor_tokens": self.kv_anchors.value(),
                 "kv_cache_bytes": self.kv_budget.value() * MIB,
                 "max_num_seqs": self.max_seqs.value(),
                 "max_num_batched_tokens": self.max_batched.value(),
@@ -119,7 +131,7 @@ class ControlsPanel(QWidget):
         out = {}
         for key, value in self.values().items():
             current = self.config.get(key)
-            if key == "kv_rotation" and current is None:
+            if key in OPTIONAL and current is None:
                 continue  # an engine without the option: nothing to change there
             if key == "kv_cache_bytes" and current is not None and \
                     round(current / MIB) == value // MIB:
@@ -148,6 +160,7 @@ class ControlsPanel(QWidget):
         self.block_size.setCurrentText(str(config.get("block_size", 16)))
         self.kv_dtype.setCurrentText(str(config.get("kv_dtype", "auto")))
         self.kv_rotation.setCurrentText(str(config.get("kv_rotation", "auto")))
+        self.kv_anchors.setValue(int(config.get("kv_anchor_tokens") or 0))
         self.kv_budget.setValue(max(1, round(config.get("kv_cache_bytes", 256 * MIB) / MIB)))
         self.max_seqs.setValue(int(config.get("max_num_seqs", 64)))
         self.max_batched.setValue(int(config.get("max_num_batched_tokens", 512)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from engine.config import (
+    DEFAULT_KV_ANCHOR_TOKENS,
     DEFAULT_KV_CACHE_BYTES,
     KV_DTYPES,
     KV_ROTATIONS,
@@ -29,6 +30,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-rotation", default="auto", choices=KV_ROTATIONS,
                    help="rotate q/k/v (Hadamard) before the KV cache stores them; calibrated: "
                         "plus the exact K shift and q/k balance; auto: calibrated for int8/fp8")
+    g.add_argument("--kv-anchor-tokens", type=int, default=DEFAULT_KV_ANCHOR_TOKENS,
+                   help="int8/fp8 KV: keep the first N positions of each opening (the "
+                        "attention sink) exact in a small table beside the pool; 0 = off")
     g.add_argument("--kv-cache-bytes", type=parse_bytes, default=DEFAULT_KV_CACHE_BYTES,
                    help="KV memory budget, e.g. 268435456, 256M or 1G")
     g.add_argument("--num-kv-blocks", type=int, default=None)
@@ -51,7 +55,8 @@ def engine_config_from_args(args) -> EngineConfig:
     return EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype,
         weights=args.weights, block_size=args.block_size,
-        kv_dtype=args.kv_dtype, kv_rotation=args.kv_rotation, kv_cache_bytes=args.kv_cache_bytes,
+        kv_dtype=args.kv_dtype, kv_rotation=args.kv_rotation,
+        kv_anchor_tokens=args.kv_anchor_tokens, kv_cache_bytes=args.kv_cache_bytes,
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed)
