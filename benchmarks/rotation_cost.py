@@ -1,7 +1,7 @@
-"""What the K/V rotation costs a decode step: three engines on the same weights and the same
-int8 pool size -- plain, rotated (Hadamard) and calibrated (Hadamard + the K shift and q/k
-balance) -- stepped alternately through the same decode batch so all see the same machine
-load; plus the transform's own ops timed alone (q balanced and rotated, k shifted, balanced
+"""What the K/V rotation and the anchor tokens cost a decode step: four engines on the same
+weights and the same int8 pool size -- plain, rotated (Hadamard), calibrated (Hadamard + the K
+shift and q/k balance) and calibrated with anchor tokens (engine/kv_anchors.py, the default) --
+stepped alternately through the same decode batch so all see the same machine load; plus the transform's own ops timed alone (q balanced and rotated, k shifted, balanced
 and rotated, v rotated, the output rotated back, every layer) against the step.
 
     python -m benchmarks.rotation_cost [--batch 8] [--prompt 256] [--steps 40] [--json]
@@ -17,6 +17,10 @@ import json
 import statistics
 import time
 
+# (name, rotation, anchor tokens)
+SETTINGS = [("none", "none", 0), ("hadamard", "hadamard", 0), ("calibrated", "calibrated", 0),
+            ("calibrated+anchors", "calibrated", 4)]
+
 
 def decode_engines(args):
     import torch
@@ -27,9 +31,10 @@ def decode_engines(args):
 
     loaded = load_model(args.model, torch.float32 if args.device == "cpu" else torch.bfloat16)
     engines = {}
-    for rotation in ("none", "hadamard", "calibrated"):
+    for name, rotation, anchors in SETTINGS:
         cfg = EngineConfig(model=args.model, device=args.device, kv_dtype=args.kv_dtype,
-                           kv_rotation=rotation, num_kv_blocks=args.batch * 64 + 64,
+                           kv_rotation=rotation, kv_anchor_tokens=anchors,
+                           num_kv_blocks=args.batch * 64 + 64,
                            max_num_batched_tokens=max(512, args.prompt))
         engine = LLMEngine(cfg, loaded)
         for i in range(args.batch):
@@ -39,7 +44,7 @@ def decode_engines(args):
         while any(s.num_computed_tokens < s.num_prompt_tokens
                   for s in engine.scheduler.running) or engine.scheduler.waiting:
             engine.step()  # prefill until every request decodes
-        engines[rotation] = engine
+        engines[name] = engine
     return engines
 
 
@@ -113,7 +118,7 @@ def main(argv=None) -> int:
         "context": args.prompt, "steps": args.steps,
         **{f"step_ms_{n}": t * 1e3 for n, t in step.items()},
         **{f"step_difference_share_{n}": (step[n] - step["none"]) / step[n]
-           for n in ("hadamard", "calibrated")},
+           for n in ("hadamard", "calibrated", "calibrated+anchors")},
         **{f"rotation_ops_ms_{n}": None if t is None else t * 1e3 for n, t in ops.items()},
         **{f"rotation_ops_share_{n}": None if t is None else t / step[n]
            for n, t in ops.items()},

@@ -178,7 +178,8 @@ def test_kv_calculator_hints_come_from_the_measured_table(qtbot):
         panel.dtype.setCurrentText(dtype)
         plain = accuracy.MEASURED[(dtype, "none")]
         assert f"{plain.prefix:.0%}" in panel.accuracy.text(), dtype
-        rotated = accuracy.MEASURED.get((dtype, "calibrated"))
+        rotated = accuracy.MEASURED.get((dtype, accuracy.DEFAULT_SETTING.get(dtype, "none")))
+        rotated = None if rotated is plain else rotated
         assert (rotated is not None) == (dtype in ("int8", "fp8"))  # the 1-byte defaults
         if rotated:
             assert f"{rotated.prefix:.0%} of a greedy reply" in panel.accuracy.text()

@@ -62,3 +62,13 @@ def test_a_live_rotation_change_is_in_the_trace(model, tmp_path):
     trace = read_trace(path)
     assert trace.header.kv_rotation == "calibrated"
     assert [e.kv_rotation for e in trace.of_type(Reconfigure)] == ["none"]
+
+
+@pytest.mark.parametrize("options,anchors", [([], 4), (["--kv-anchor-tokens", "0"], 0)])
+def test_int8_replay_records_the_anchor_tokens(model, recorded, tmp_path, capsys, options,
+                                               anchors):
+    """The header's config carries the anchor count; `--kv-anchor-tokens 0` is the A/B."""
+    out = tmp_path / "r.jsonl"
+    s = replay(capsys, model, recorded, out, "--kv-dtype", "int8", *options)
+    assert s["finished"] == 4
+    assert read_trace(out).header.config["kv_anchor_tokens"] == anchors
