@@ -60,11 +60,15 @@ class AnchorTable:
         self._pending = []
         index, fill_rows, fill_slots = [], [], []
         n = self.num_tokens
+        seen: dict = {}  # a step's sequences mostly share a few openings: look each up once
         for key, start, end, row in openings:
-            entry = self._lookup(key)
+            entry = seen.get(key)
+            if entry is None or entry < 0:
+                entry = seen[key] = self._lookup(key)
             if entry < 0 and key is not None and start == 0 and end >= n:
                 entry = self._claim(key)
                 if entry >= 0:
+                    seen[key] = entry
                     fill_rows.extend(range(row, row + n))
                     fill_slots.extend(range(entry * n, entry * n + n))
             index.append(entry)
