@@ -195,10 +195,11 @@ def check_write(kv_name, block_size, kv_heads, head_dim, n, device, seed) -> dic
 
 def check_attention(kv_name, q_name, block_size, heads, kv_heads, head_dim, seqs, device,
                     seed, num_splits=None, block_n=None, rotated: bool = False,
-                    balanced: bool = False) -> dict:
+                    balanced: bool = False, anchored: bool = False) -> dict:
     """With `rotated`, the kernel's fused q / output rotation against torch's rotate ->
     reference -> unrotate (kernels.rotation), same tolerance; with `balanced` also the fused
-    q / g of a random K balance (kernels.k_balance) against torch's balance_q."""
+    q / g of a random K balance (kernels.k_balance) against torch's balance_q; with
+    `anchored`, anchor rows (kernels.anchors) for two of every three sequences."""
     import torch
 
     from kernels.attention_ref import paged_attention_ref
@@ -217,18 +218,25 @@ def check_attention(kv_name, q_name, block_size, heads, kv_heads, head_dim, seqs
         g = torch.Generator().manual_seed(seed)
         kb = KBalanceLayer.of(torch.randn(kv_heads, head_dim, generator=g),
                               torch.rand(kv_heads, head_dim, generator=g) + 0.5).to(device)
+    anchors = None
+    if anchored:
+        g = torch.Generator().manual_seed(seed + 1)
+        anchors = tuple(torch.randn(2, 4, kv_heads, head_dim, generator=g).to(device)
+                        for _ in range(2))
+        meta.anchor_index = torch.tensor([i % 3 - 1 for i in range(len(seqs))])
     paged_attention_triton(query, pool[0], pool[1], meta, scale, pool[2], pool[3], out=out,
-                           num_splits=num_splits, block_n=block_n, rotation=r, k_balance=kb)
+                           num_splits=num_splits, block_n=block_n, rotation=r, k_balance=kb,
+                           anchors=anchors)
     clean = sanitized(pool)
     q_ref = rotate(balance_q(query, kb), r).to(q_dtype)
     want = unrotate(paged_attention_ref(q_ref, clean[0], clean[1], meta, scale, clean[2],
-                                        clean[3]), r).to(q_dtype)
+                                        clean[3], anchors), r).to(q_dtype)
     tol = TOL[q_name]
     diff = (out.float() - want.float()).abs()
     nan = int(torch.isnan(out).sum())
     ratio = float((diff / (tol + tol * want.float().abs())).nan_to_num(float("inf")).max())
     return {"kernel": "paged_attention" + (" rotated" if rotated else "")
-            + (" balanced" if balanced else ""),
+            + (" balanced" if balanced else "") + (" anchored" if anchored else ""),
             "kv_dtype": kv_name, "q_dtype": q_name,
             "block_size": block_size, "heads": f"{heads}/{kv_heads}x{head_dim}",
             "q_lens": [q for q, _ in seqs], "ctx_lens": [c for _, c in seqs],
@@ -267,7 +275,8 @@ def correctness(device, small: bool, seed: int) -> list[dict]:
             rows.append(check_attention(kv, qd, bs, heads, kvh, hd, seqs, device,
                                         seed + 13 * i + bs, splits, block_n,
                                         rotated=kv in ("int8", "fp8") and bs == 16,
-                                        balanced=kv == "fp8" and bs == 16))
+                                        balanced=kv == "fp8" and bs == 16,
+                                        anchored=kv in ("int8", "fp8") and bs != 16))
     return rows
 
 
