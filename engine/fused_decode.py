@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.weight_formats import INT4_GROUP, DenseLinear, Int4Linear
-from kernels import cpu_attention, cpu_linear, native
+from kernels import cpu_attention, cpu_linear, native, ops
 
 BF16 = torch.bfloat16
 # kvscope_rope_write turns a head in a stack buffer of this many floats, and the glue holds a
@@ -44,7 +44,8 @@ def matmul_rows(model) -> torch.dtype | None:
     widest = max(s.hidden_size, model.layers[0].down.shape[1],
                  (s.num_heads + 2 * s.num_kv_heads) * s.head_dim)
     if (model.device != "cpu" or model.dtype not in (torch.float32, BF16)
-            or s.head_dim > MAX_HEAD_DIM or widest > ROW_MAX or not native.available()
+            or s.head_dim > MAX_HEAD_DIM or widest > ROW_MAX
+            or ops.backend(model.device) != "cpu"  # KVSCOPE_KERNELS=ref: torch only
             or any(x.bias is not None for x in linears)):
         return None
     if model.dtype == torch.float32 and all(isinstance(x, Int4Linear) for x in linears):

@@ -104,3 +104,11 @@ def test_it_stands_aside_where_it_does_not_apply(tiny):  # noqa: F811
     engine.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=2))
     _, _, meta, _ = engine.runner.prepare(engine.scheduler.schedule())
     assert meta.prefill_seqs and not fused_decode.supports_step(meta, engine.pool)
+
+
+def test_kernels_ref_means_no_native_glue(tiny, monkeypatch):  # noqa: F811
+    """KVSCOPE_KERNELS=ref asks for the torch references everywhere: no fused step either."""
+    assert make_llm(tiny).engine.model.fused_decode
+    monkeypatch.setenv("KVSCOPE_KERNELS", "ref")
+    assert not make_llm(tiny).engine.model.fused_decode
+    assert not make_llm(tiny, weights="dense").engine.model.fused_decode
