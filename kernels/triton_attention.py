@@ -34,6 +34,11 @@ Design
   fp8 e4m3 is read as bytes; on sm_89+ it is converted by the hardware, elsewhere (older
   GPUs, the interpreter) with an exact bit trick: the byte's sign/exponent/mantissa moved
   into float16 bits is the value times 2**-8, and the 2**8 goes into the scale.
+* Anchor tokens (kernels/anchors.py): for a sequence with an anchor entry, split 0 first
+  attends its positions below ANCHOR_LEN from the exact float32 rows (one [ANCHOR_PAD,
+  head_dim] tile, unit scale), and the main loop masks those positions out of the pool's
+  tiles: nothing is added inside the loop (offline compile for sm_80/sm_90: same registers
+  and spill as without anchors).
 * Long contexts with few tiles (decode) split the context into NUM_SPLITS ranges (flash-
   decoding): each split writes its unnormalised accumulator, max and sum, and a second
   small kernel merges them. On the CPU interpreter the default is one split.
@@ -108,7 +113,7 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, KV_KIND: tl.constexpr,
     QUANT: tl.constexpr, DOT: tl.constexpr, F32_PRECISION: tl.constexpr,
     BF16_OUT: tl.constexpr, ROTATE: tl.constexpr, BALANCE: tl.constexpr,
-    ANCHOR_LEN: tl.constexpr,
+    ANCHOR_LEN: tl.constexpr, ANCHOR_PAD: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -156,8 +161,32 @@ def _paged_attention_kernel(
     bt_row = block_tables_ptr + seq * sbt
     n = tl.arange(0, BLOCK_N)
     if ANCHOR_LEN > 0:
+        # A sequence with an anchor entry: its positions below ANCHOR_LEN are attended here,
+        # once (split 0), from the exact float32 rows; the loop below skips them in the pool.
+        # Kept out of the loop so that the loop's tiles carry no extra loads or registers.
         a_entry = tl.load(anchor_idx_ptr + seq).to(tl.int64)
-        a_len = tl.where(a_entry >= 0, ANCHOR_LEN, 0)  # anchored positions: pos < a_len
+        a_len = tl.where(a_entry >= 0, ANCHOR_LEN, 0)
+        if (split == 0) & (a_entry >= 0):
+            ap = tl.arange(0, ANCHOR_PAD)
+            a_ok = ap < ANCHOR_LEN
+            a_off = a_entry * sae + ap.to(tl.int64) * sas + kvh * sah
+            a_mask = a_ok[:, None] & d_ok[None, :]
+            ak = tl.load(anchor_k_ptr + a_off[:, None] + d[None, :], mask=a_mask, other=0.0)
+            if F32_PRECISION == "":
+                s = tl.dot(q, tl.trans(ak.to(DOT)))
+            else:
+                s = tl.dot(q, tl.trans(ak.to(DOT)), input_precision=F32_PRECISION)
+            s = s * (qk_scale / v_fix)  # exact rows: no code scale, no fp8 bit-decode factor
+            visible = a_ok[None, :] & (ap[None, :] <= q_pos[:, None])
+            s = tl.where(visible, s, float("-inf"))
+            m_i = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp2(s - m_i[:, None])
+            l_i = tl.sum(p, axis=1)
+            av = tl.load(anchor_v_ptr + a_off[:, None] + d[None, :], mask=a_mask, other=0.0)
+            if F32_PRECISION == "":
+                acc = tl.dot(p.to(DOT), av.to(DOT))
+            else:
+                acc = tl.dot(p.to(DOT), av.to(DOT), input_precision=F32_PRECISION)
 
     for start in range(lo, hi, BLOCK_N):
         pos = start + n
@@ -174,26 +203,18 @@ def _paged_attention_kernel(
         kv_off = slot_off[:, None] + kvh * sch + d[None, :] * scd
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = _codes_to(tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0), KV_KIND, DOT)
-        if ANCHOR_LEN > 0:
-            # Positions below ANCHOR_LEN of a sequence with an anchor entry: the exact rows
-            # (float32, unit scale) instead of the codes.
-            is_a = n_ok & (pos < a_len)
-            a_off = a_entry * sae + pos.to(tl.int64) * sas + kvh * sah
-            a_mask = is_a[:, None] & d_ok[None, :]
-            ak = tl.load(anchor_k_ptr + a_off[:, None] + d[None, :], mask=a_mask, other=0.0)
-            k = tl.where(is_a[:, None], ak.to(DOT), k)
         if F32_PRECISION == "":
             s = tl.dot(q, tl.trans(k))
         else:
             s = tl.dot(q, tl.trans(k), input_precision=F32_PRECISION)
         if QUANT:
             ks = tl.load(k_scale_ptr + sc_off + kvh * ssh, mask=n_ok, other=0.0)
-            if ANCHOR_LEN > 0:
-                ks = tl.where(is_a, 1.0 / v_fix, ks)
             s = s * (ks * qk_scale)[None, :]
         else:
             s = s * qk_scale
         visible = n_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        if ANCHOR_LEN > 0:
+            visible = visible & (pos >= a_len)[None, :]  # attended from the anchor rows
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -202,13 +223,8 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
         v = _codes_to(tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0), KV_KIND, DOT)
-        if ANCHOR_LEN > 0:
-            av = tl.load(anchor_v_ptr + a_off[:, None] + d[None, :], mask=a_mask, other=0.0)
-            v = tl.where(is_a[:, None], av.to(DOT), v)
         if QUANT:
             vs = tl.load(v_scale_ptr + sc_off + kvh * ssh, mask=n_ok, other=0.0)
-            if ANCHOR_LEN > 0:
-                vs = tl.where(is_a, 1.0 / v_fix, vs)
             p = p * (vs * v_fix)[None, :]
         if F32_PRECISION == "":
             acc += tl.dot(p.to(DOT), v)
@@ -442,7 +458,8 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         KV_KIND=kind, QUANT=quant, DOT=dot_tl[dot],
         F32_PRECISION=("ieee" if interpret else "tf32x3") if f32 else "",
         BF16_OUT=bf16_out, ROTATE=rot is not None, BALANCE=kb is not None,
-        ANCHOR_LEN=a_len, num_warps=num_warps,
+        ANCHOR_LEN=a_len, ANCHOR_PAD=max(16, triton.next_power_of_2(a_len)),
+        num_warps=num_warps,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
