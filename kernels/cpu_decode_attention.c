@@ -83,6 +83,15 @@ static inline __attribute__((always_inline)) void load_row(float *dst, const voi
     }
 }
 
+/* Token `pos` of a head, in slot `at`: its exact anchor row when pos < na (kernels/anchors.py),
+ * else the pool's row. */
+static inline __attribute__((always_inline)) void load_token(
+        float *dst, const void *cache, const float *scales, const float *anchor, int64_t pos,
+        int64_t at, int64_t na, int64_t num_kv_heads, int64_t d, int kind) {
+    if (pos < na) load_row(dst, anchor, pos * num_kv_heads * d, d, KV_F32, 1.0f);
+    else load_row(dst, cache, at * d, d, kind, scales ? scales[at] : 1.0f);
+}
+
 static inline __attribute__((always_inline)) float dot(const float *a, const float *b, int64_t d) {
     float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
@@ -105,8 +114,7 @@ static inline __attribute__((always_inline)) void attend_head(
         int64_t n = len - start < block_size ? len - start : block_size;
         int64_t at = table[b] * block_size * num_kv_heads + h;
         for (int64_t j = 0; j < n; j++, at += num_kv_heads) {
-            if (start + j < na) load_row(row, ak, (start + j) * num_kv_heads * d, d, KV_F32, 1.0f);
-            else load_row(row, k_cache, at * d, d, kind, k_scale ? k_scale[at] : 1.0f);
+            load_token(row, k_cache, k_scale, ak, start + j, at, na, num_kv_heads, d, kind);
             for (int64_t g = 0; g < group; g++)
                 scores[g * len + start + j] = dot(q + g * d, row, d) * sm_scale;
         }
@@ -125,8 +133,7 @@ static inline __attribute__((always_inline)) void attend_head(
         int64_t n = len - start < block_size ? len - start : block_size;
         int64_t at = table[b] * block_size * num_kv_heads + h;
         for (int64_t j = 0; j < n; j++, at += num_kv_heads) {
-            if (start + j < na) load_row(row, av, (start + j) * num_kv_heads * d, d, KV_F32, 1.0f);
-            else load_row(row, v_cache, at * d, d, kind, v_scale ? v_scale[at] : 1.0f);
+            load_token(row, v_cache, v_scale, av, start + j, at, na, num_kv_heads, d, kind);
             for (int64_t g = 0; g < group; g++) {
                 float p = scores[g * len + start + j], *a = acc + g * d;
 #pragma omp simd
@@ -156,16 +163,29 @@ static inline __attribute__((always_inline)) void load_row64(v16f r[4], const vo
             memcpy(&r[i], &u, 64);
         }
     } else if (kind == KV_I8) {
-        for (int i = 0; i < 4; i++) {
-            v16b b;
-            memcpy(&b, (const int8_t *)cache + offset + 16 * i, 16);
-            r[i] = __builtin_convertvector(b, v16f) * scale;
-        }
+        for (int i = 0; i < 4; i++)
+            r[i] = i8x16_to_f32((const int8_t *)cache + offset + 16 * i) * scale;
+#ifdef KVSCOPE_HAVE_F16C
+    } else if (kind == KV_FP8) {
+        for (int i = 0; i < 4; i++)
+            r[i] = fp8x16_to_f32_div256((const uint8_t *)cache + offset + 16 * i)
+                   * (scale * 256.0f);
+    } else if (kind == KV_F16) {
+        for (int i = 0; i < 4; i++) r[i] = f16x16_to_f32((const uint16_t *)cache + offset + 16 * i);
+#endif
     } else {
         float tmp[64];
         load_row(tmp, cache, offset, 64, kind, scale);
         for (int i = 0; i < 4; i++) r[i] = *(const v16f_u *)(tmp + 16 * i);
     }
+}
+
+/* load_token for head_dim 64, into four vectors. */
+static inline __attribute__((always_inline)) void load_token64(
+        v16f r[4], const void *cache, const float *scales, const float *anchor, int64_t pos,
+        int64_t at, int64_t na, int64_t num_kv_heads, int kind) {
+    if (pos < na) load_row64(r, anchor, pos * num_kv_heads * 64, KV_F32, 1.0f);
+    else load_row64(r, cache, at * 64, kind, scales ? scales[at] : 1.0f);
 }
 
 /* The 16 sums of 16 vectors, as one vector (lane i: the sum of v[i]): a transpose folded into
@@ -231,8 +251,7 @@ static inline __attribute__((always_inline)) void attend_head64(
         int64_t n = len - start < block_size ? len - start : block_size;
         int64_t at = table[b] * block_size * num_kv_heads + h;
         for (int64_t j = 0; j < n; j++, at += num_kv_heads) {
-            if (start + j < na) load_row64(r, ak, (start + j) * num_kv_heads * 64, KV_F32, 1.0f);
-            else load_row64(r, k_cache, at * 64, kind, k_scale ? k_scale[at] : 1.0f);
+            load_token64(r, k_cache, k_scale, ak, start + j, at, na, num_kv_heads, kind);
             for (int64_t g = 0; g < group; g++)
                 part[g][c] = qv[g][0] * r[0] + qv[g][1] * r[1] + (qv[g][2] * r[2] + qv[g][3] * r[3]);
             if (++c == 16) {
@@ -253,8 +272,7 @@ static inline __attribute__((always_inline)) void attend_head64(
         int64_t n = len - start < block_size ? len - start : block_size;
         int64_t at = table[b] * block_size * num_kv_heads + h;
         for (int64_t j = 0; j < n; j++, at += num_kv_heads) {
-            if (start + j < na) load_row64(r, av, (start + j) * num_kv_heads * 64, KV_F32, 1.0f);
-            else load_row64(r, v_cache, at * 64, kind, v_scale ? v_scale[at] : 1.0f);
+            load_token64(r, v_cache, v_scale, av, start + j, at, na, num_kv_heads, kind);
             for (int64_t g = 0; g < group; g++) {
                 float p = scores[g * len + start + j];
                 for (int i = 0; i < 4; i++) acc[g][i] += p * r[i];
