@@ -21,7 +21,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "cpu_decode_attention.c", HERE / "cpu_decode_glue.c",
-           HERE / "cpu_small_gemm.c")
+           HERE / "cpu_small_gemm.c", HERE / "cpu_kv_write.c")
 HEADERS = (HERE / "cpu_vec.h",)  # not compiled on their own, but part of the cache key
 ENV = "KVSCOPE_CPU_KERNELS"
 FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native", "-fopenmp-simd"],
@@ -36,6 +36,7 @@ SIGNATURES = {
     "kvscope_silu_mul": [P, P, I64, I64, INT],
     "kvscope_rope_write": [P, I64, P, P, P, P, P, P, P, I64, I64, I64, INT, INT],
     "kvscope_gemm": [P, INT, P, INT, P, INT, P, I64, I64, I64],
+    "kvscope_int8_write": [P, I64, I64, I64, P, P, P, P, P, P],
 }
 
 

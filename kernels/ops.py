@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from kernels import cpu_attention, native
+from kernels import cpu_attention, cpu_kv_write, native
 from kernels.anchors import Anchors, write_anchors
 from kernels.attention_ref import AttentionMetadata, paged_attention_ref
 from kernels.k_balance import KBalanceLayer, balance_k, balance_q
@@ -57,11 +57,15 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
         rows, slots = anchor_fill
         write_anchors(rotate(balance_k(key[rows], k_balance), rotation),
                       rotate(value[rows], rotation), slots, anchors)
-    if backend(k_cache.device) == "triton":
+    path = backend(k_cache.device)
+    if path == "triton":
         from kernels.triton_kv_write import write_kv_triton
 
         write_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale,
                         rotation=rotation, k_balance=k_balance)
+    elif path == "cpu" and cpu_kv_write.supports(key, k_cache):
+        cpu_kv_write.write_int8(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+                                rotation, k_balance)
     else:
         write_kv_ref(rotate(balance_k(key, k_balance), rotation), rotate(value, rotation),
                      k_cache, v_cache, slot_mapping, k_scale, v_scale)
