@@ -65,9 +65,9 @@ def test_window_with_real_engine(qtbot, tmp_path):
     model = save_tiny_model(tmp_path / "tiny", "llama", seed=0)
     before = set(threading.enumerate())  # after transformers' own (tqdm) threads
     settings = QSettings(str(tmp_path / "kvscope.ini"), QSettings.Format.IniFormat)
-    # 512 B/token in float32 -> a 256 KiB budget holds 128 blocks of 4 tokens.
+    # 512 B/token in float32 -> a 512 KiB budget holds 256 blocks of 4 tokens.
     window = MainWindow(engine_args=["--model", str(model), "--device", "cpu",
-                                     "--block-size", "4", "--kv-cache-bytes", "262144"],
+                                     "--block-size", "4", "--kv-cache-bytes", "524288"],
                         settings=settings)
     qtbot.addWidget(window)
     seen = {"in_use": 0, "frames_checked": 0, "cells_checked": 0, "multi_owner": 0, "bad": []}
@@ -107,9 +107,10 @@ def test_window_with_real_engine(qtbot, tmp_path):
         # (from its chat, or by clicking one of its blocks) shows the engine's block table.
         # The random tiny model may stop early at its EOS; these two must overlap, for long
         # enough that a GUI starved of CPU by a busy machine still sees frames of both
-        # (2 x ~230 tokens = ~116 of the 128 blocks: no preemption).
-        window.chat.max_tokens.setValue(200)
-        window.chat.sampling = lambda: {"max_tokens": 200, "temperature": 0.0,
+        # (2 x ~410 tokens = ~206 of the 256 blocks: no preemption). At 200 tokens each the
+        # overlap was a few seconds, and one loaded CI run never saw a frame of it.
+        window.chat.max_tokens.setValue(400)
+        window.chat.sampling = lambda: {"max_tokens": 400, "temperature": 0.0,
                                         "ignore_eos": True}
         rids = []
         for prompt in ("first parallel chat", "second, a different prompt"):
