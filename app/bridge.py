@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from PySide6.QtCore import QObject, QThread, QTimer, Signal, Slot
 
-from ipc import EngineClient, EngineError, EngineTimeout
-from ipc.messages import TOPICS
+from kvscope.ipc import EngineClient, EngineError, EngineTimeout
+from kvscope.ipc.messages import TOPICS
 
 DRAIN_INTERVAL_MS = 33
 HELLO_ATTEMPTS, HELLO_TIMEOUT_S = 4, 15

@@ -1,4 +1,4 @@
-"""A local engine child process (`python -m engine.cli.serve`), started without blocking.
+"""A local engine child process (`python -m kvscope.engine.cli.serve`), started without blocking.
 
 The child prints one line `ready <command endpoint> <state endpoint>` on stdout once the model
 is loaded; its stderr (logs) is forwarded to ours and its last lines are kept for error
@@ -29,7 +29,7 @@ STDERR_LINES = 40
 
 def serve_command(engine_args: list[str]) -> list[str]:
     """argv of the child: a free port on loopback, then the user's engine options."""
-    return [sys.executable, "-m", "engine.cli.serve", "--host", "127.0.0.1", "--port", "0",
+    return [sys.executable, "-m", "kvscope.engine.cli.serve", "--host", "127.0.0.1", "--port", "0",
             *engine_args]
 
 

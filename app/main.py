@@ -10,7 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from app.vllm.launch import add_vllm_options
+from kvscope.app.vllm.launch import add_vllm_options
 
 ENGINE_OPTIONS = {  # option -> takes a value (passed through to the engine child)
     "--model": True, "--device": True, "--dtype": True, "--block-size": True,
@@ -95,7 +95,7 @@ def attach_keys(args):
     """The CURVE keys to attach with (None: plain text); KeyFileError says what is missing."""
     if not args.attach:
         return None
-    from ipc.keys import client_keys_for
+    from kvscope.ipc.keys import client_keys_for
 
     curve = True if args.auth == "curve" else (False if args.insecure else None)
     return client_keys_for(args.attach, args.keys, curve)
@@ -111,8 +111,8 @@ def main(argv: list[str]) -> int:
     from PySide6.QtCore import QTimer
     from PySide6.QtWidgets import QApplication
 
-    from app.gui_gc import GuiThreadCollector
-    from app.main_window import MainWindow
+    from kvscope.app.gui_gc import GuiThreadCollector
+    from kvscope.app.main_window import MainWindow
 
     app = QApplication.instance() or QApplication([sys.argv[0] if sys.argv else "kvscope"])
     app.setApplicationName("kvscope")
@@ -121,7 +121,7 @@ def main(argv: list[str]) -> int:
         app.setStyleSheet(STYLE.read_text())
     GuiThreadCollector(app)  # worker threads must never free a Qt object
     if args.attach_vllm:
-        from app.vllm.launch import run as run_vllm_window
+        from kvscope.app.vllm.launch import run as run_vllm_window
 
         return run_vllm_window(args, app)
     settings = None

@@ -8,19 +8,19 @@ from PySide6.QtCore import QSettings, Qt, Signal
 from PySide6.QtGui import QKeySequence, QShortcut
 from PySide6.QtWidgets import QDockWidget, QMainWindow, QScrollArea, QSplitter, QTabWidget
 
-from app import settings as app_settings
-from app.blocks.block_map import BlockMap
-from app.bridge import EngineBridge
-from app.calculator.panel import KVCalculatorPanel
-from app.chat.panel import ChatPanel
-from app.controls.load_generator import LoadGenerator, LoadGeneratorPanel
-from app.controls.panel import ControlsPanel
-from app.device.panel import DevicePanel
-from app.engine_process import EngineProcess
-from app.frame_clock import FrameClock, FrameJobs
-from app.plots.batch_plots import BatchPlots
-from app.status_bar import EngineStatusBar
-from app.traces.panel import TracePanel, engine_args_from
+from kvscope.app import settings as app_settings
+from kvscope.app.blocks.block_map import BlockMap
+from kvscope.app.bridge import EngineBridge
+from kvscope.app.calculator.panel import KVCalculatorPanel
+from kvscope.app.chat.panel import ChatPanel
+from kvscope.app.controls.load_generator import LoadGenerator, LoadGeneratorPanel
+from kvscope.app.controls.panel import ControlsPanel
+from kvscope.app.device.panel import DevicePanel
+from kvscope.app.engine_process import EngineProcess
+from kvscope.app.frame_clock import FrameClock, FrameJobs
+from kvscope.app.plots.batch_plots import BatchPlots
+from kvscope.app.status_bar import EngineStatusBar
+from kvscope.app.traces.panel import TracePanel, engine_args_from
 
 WIDE = 1800  # from this width on the chat and the side panel each get a column of their own
 MAP_SHARE = 0.66  # of the middle's height: the block map; the rest is the history row

@@ -9,7 +9,7 @@ from pathlib import Path
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import QLabel, QPushButton, QStatusBar, QWidget
 
-from app.fmt import human_bytes
+from kvscope.app.fmt import human_bytes
 
 DEAD_AFTER_S = 3.0
 CHECK_MS = 250

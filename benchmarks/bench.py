@@ -1,6 +1,6 @@
 """Engine vs Hugging Face `generate` on one seeded mixed workload, plus MFU and KV waste.
 
-    python -m benchmarks.bench [--quick] [--json] [--profile] [--concurrency N] [engine options]
+    python -m kvscope.benchmarks.bench [--quick] [--json] [--profile] [--concurrency N] [engine options]
     kvscope bench ...   /   make bench
 
 One workload (random.Random(seed)) of N requests with prompt and output lengths drawn
@@ -51,7 +51,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from benchmarks.bench_profile import RunnerCounter, install_profile, profile_report, sync
+from kvscope.benchmarks.bench_profile import RunnerCounter, install_profile, profile_report, sync
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -78,7 +78,7 @@ def log(msg: str) -> None:
 
 # -- options -------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    from engine.cli.options import add_engine_options
+    from kvscope.engine.cli.options import add_engine_options
 
     p = argparse.ArgumentParser(
         prog="kvscope bench",
@@ -193,7 +193,7 @@ def measure_matmul_flops(device: str, dtype, shapes: list[tuple[int, int, int]],
     timed loops: the peak the MFU is taken against."""
     import torch
 
-    from kernels import cpu_linear
+    from kvscope.kernels import cpu_linear
 
     results = {}
     for m, k, n in shapes:
@@ -282,7 +282,7 @@ class CpuMonitor:
 
 # -- engine --------------------------------------------------------------------------------
 def run_engine(args, reqs: list[Request], llm) -> dict:
-    from engine import SamplingParams
+    from kvscope.engine import SamplingParams
 
     engine = llm.engine
     vocab = engine.model.shape.vocab_size
@@ -385,8 +385,8 @@ def run_bench(args) -> dict:
     """Run the whole benchmark; returns the report dict (what --json prints)."""
     import torch
 
-    from engine import LLM
-    from engine.cli.options import engine_config_from_args
+    from kvscope.engine import LLM
+    from kvscope.engine.cli.options import engine_config_from_args
 
     resolve_workload_args(args)
     config = engine_config_from_args(args)

@@ -2,7 +2,7 @@
 layer's call for a batch of decode rows, best of five runs of --reps calls each, all dtypes in
 one process so they share the machine's state.
 
-    python -m benchmarks.cpu_attention_dtypes [--seqs 16] [--context 160] [--threads 2]
+    python -m kvscope.benchmarks.cpu_attention_dtypes [--seqs 16] [--context 160] [--threads 2]
 
 The shape is SmolLM2's (9 query heads, 3 KV heads, head_dim 64), block size 16.
 """
@@ -44,8 +44,8 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from test_attention_ref import build_batch
 
-    from kernels import cpu_attention
-    from kernels.quant import quantize
+    from kvscope.kernels import cpu_attention
+    from kvscope.kernels.quant import quantize
 
     torch.set_num_threads(args.threads)
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,

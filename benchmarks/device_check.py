@@ -1,6 +1,6 @@
 """Check the device monitor against the tools people trust: nvidia-smi on CUDA, ps on CPU.
 
-    python -m benchmarks.device_check [--device cuda] [--tolerance 0.05]
+    python -m kvscope.benchmarks.device_check [--device cuda] [--tolerance 0.05]
 
 Loads the engine, runs a few requests (so activations and the allocator's cache exist), takes
 one device sample and the same numbers from nvidia-smi / ps a moment later, and prints them
@@ -63,9 +63,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--tolerance", type=float, default=0.05)
     args = p.parse_args(argv)
-    from engine import EngineConfig, SamplingParams
-    from engine.llm_engine import LLMEngine
-    from engine.server.device_monitor import DeviceMonitor
+    from kvscope.engine import EngineConfig, SamplingParams
+    from kvscope.engine.llm_engine import LLMEngine
+    from kvscope.engine.server.device_monitor import DeviceMonitor
 
     engine = LLMEngine(EngineConfig(device=args.device))
     for _ in range(4):

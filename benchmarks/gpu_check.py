@@ -1,7 +1,7 @@
 """Check every Triton kernel against its torch reference and time them, on a GPU if there is one.
 
     python benchmarks/gpu_check.py [--json] [--skip-e2e] [--quick]
-    python -m benchmarks.gpu_check ...
+    python -m kvscope.benchmarks.gpu_check ...
 
 With CUDA (under 5 minutes on one GPU):
 1. correctness on the GPU: the KV write per KV dtype (must equal the reference bit for bit:
@@ -60,7 +60,7 @@ def torch_dtype(name: str):
 def poisoned_pool(dtype, num_blocks, block_size, kv_heads, head_dim, device):
     import torch
 
-    from kernels.quant import is_quantized
+    from kvscope.kernels.quant import is_quantized
 
     shape = (num_blocks, block_size, kv_heads, head_dim)
 
@@ -112,8 +112,8 @@ def make_batch(kv_dtype, q_dtype, block_size, heads, kv_heads, head_dim, seqs, s
     through the reference write, metadata). Block 0 is never allocated (the table padding)."""
     import torch
 
-    from kernels.attention_ref import AttentionMetadata, group_decode_rows
-    from kernels.kv_write_ref import write_kv_ref
+    from kvscope.kernels.attention_ref import AttentionMetadata, group_decode_rows
+    from kvscope.kernels.kv_write_ref import write_kv_ref
 
     rng = random.Random(seed)
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -159,8 +159,8 @@ ATTN_CASES = [("float32", "float32"), ("float16", "float16"), ("bfloat16", "bflo
 def check_write(kv_name, block_size, kv_heads, head_dim, n, device, seed) -> dict:
     import torch
 
-    from kernels.kv_write_ref import write_kv_ref
-    from kernels.triton_kv_write import write_kv_triton
+    from kvscope.kernels.kv_write_ref import write_kv_ref
+    from kvscope.kernels.triton_kv_write import write_kv_triton
 
     dtype = torch_dtype(kv_name)
     g = torch.Generator().manual_seed(seed)
@@ -202,10 +202,10 @@ def check_attention(kv_name, q_name, block_size, heads, kv_heads, head_dim, seqs
     `anchored`, anchor rows (kernels.anchors) for two of every three sequences."""
     import torch
 
-    from kernels.attention_ref import paged_attention_ref
-    from kernels.k_balance import KBalanceLayer, balance_q
-    from kernels.rotation import rotate, rotation_matrix, unrotate
-    from kernels.triton_attention import paged_attention_triton
+    from kvscope.kernels.attention_ref import paged_attention_ref
+    from kvscope.kernels.k_balance import KBalanceLayer, balance_q
+    from kvscope.kernels.rotation import rotate, rotation_matrix, unrotate
+    from kvscope.kernels.triton_attention import paged_attention_triton
 
     q_dtype = torch_dtype(q_name)
     query, pool, meta = make_batch(torch_dtype(kv_name), q_dtype, block_size, heads, kv_heads,
@@ -318,7 +318,7 @@ def decode_pool(kv_dtype, num_blocks, block_size, kv_heads, head_dim, device):
     """A filled pool (random codes/values, positive scales) without the poison pass."""
     import torch
 
-    from kernels.quant import is_quantized
+    from kvscope.kernels.quant import is_quantized
 
     shape = (num_blocks, block_size, kv_heads, head_dim)
 
@@ -343,9 +343,13 @@ def time_decode(name, heads, kv_heads, head_dim, kv_name, batch, ctx, block_size
                 copy_bw, with_ref: bool) -> dict:
     import torch
 
-    from kernels.attention_ref import AttentionMetadata, group_decode_rows, paged_attention_ref
-    from kernels.quant import is_quantized
-    from kernels.triton_attention import _choose_splits, paged_attention_triton
+    from kvscope.kernels.attention_ref import (
+        AttentionMetadata,
+        group_decode_rows,
+        paged_attention_ref,
+    )
+    from kvscope.kernels.quant import is_quantized
+    from kvscope.kernels.triton_attention import _choose_splits, paged_attention_triton
 
     kv_dtype = torch_dtype(kv_name)
     per_seq = ctx // block_size
@@ -364,13 +368,13 @@ def time_decode(name, heads, kv_heads, head_dim, kv_name, batch, ctx, block_size
                                                  pool[3], out=out), device)
     ms_rotated = ms_balanced = None
     if kv_name == "int8":  # the fused q / output rotation (kernels/rotation.py), same pool
-        from kernels.rotation import rotation_matrix
+        from kvscope.kernels.rotation import rotation_matrix
 
         r = rotation_matrix("hadamard", head_dim, device)
         ms_rotated = bench_ms(lambda: paged_attention_triton(q, pool[0], pool[1], meta, scale,
                                                              pool[2], pool[3], out=out,
                                                              rotation=r), device)
-        from kernels.k_balance import KBalanceLayer
+        from kvscope.kernels.k_balance import KBalanceLayer
 
         kb = KBalanceLayer.of(torch.zeros(kv_heads, head_dim),
                               torch.ones(kv_heads, head_dim)).to(device)
@@ -408,18 +412,23 @@ def sync(device) -> None:
 def end_to_end(seed: int, quick: bool, device: str = "cuda") -> dict:
     import torch
 
-    from benchmarks.bench import build_workload, hf_generate_batch, load_hf, special_token_ids
-    from engine import LLM, EngineConfig, SamplingParams
-    from engine.config import resolve_device, resolve_dtype
-    from engine.loader import load_model
+    from kvscope.benchmarks.bench import (
+        build_workload,
+        hf_generate_batch,
+        load_hf,
+        special_token_ids,
+    )
+    from kvscope.engine import LLM, EngineConfig, SamplingParams
+    from kvscope.engine.config import resolve_device, resolve_dtype
+    from kvscope.engine.loader import load_model
 
     n, prompt_range, out_len = (8, (32, 128), 32) if quick else (16, (64, 256), 64)
     result = {"requests": n, "prompt_range": list(prompt_range), "output_tokens": out_len,
               "engine": {}, "hf": None}
     base = loaded = None
     try:
-        import engine.model as model_mod
-        from kernels import ops
+        import kvscope.engine.model as model_mod
+        from kvscope.kernels import ops
 
         result["engine_calls_kernels_ops"] = \
             getattr(model_mod, "paged_attention", None) is ops.paged_attention

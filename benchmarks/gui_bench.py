@@ -1,4 +1,4 @@
-"""What the desktop app costs: `python -m benchmarks.gui_bench [--json] [serve options]`
+"""What the desktop app costs: `python -m kvscope.benchmarks.gui_bench [--json] [serve options]`
 
 (a) GUI main-thread time per frame: a MainWindow (offscreen unless a display is set; --size,
     default 1600x900, every panel visible) fed synthetic engine state (tests/app_fakes.py
@@ -53,7 +53,7 @@ def pct(xs, q):
 def make_window(tmp: str, size: tuple[int, int] = (1600, 900), **kwargs):
     from PySide6.QtCore import QSettings
 
-    from app.main_window import MainWindow
+    from kvscope.app.main_window import MainWindow
 
     settings = QSettings(str(Path(tmp) / "gui_bench.ini"), QSettings.Format.IniFormat)
     window = MainWindow(settings=settings, **kwargs)
@@ -195,8 +195,8 @@ def _cpu_seconds(proc: subprocess.Popen) -> float:
 
 def throughput(serve_args, requests: int, max_tokens: int, reps: int,
                window_repo: Path) -> dict:
-    from benchmarks.ipc_bench import run_workload, start_server
-    from ipc import EngineClient
+    from kvscope.benchmarks.ipc_bench import run_workload, start_server
+    from kvscope.ipc import EngineClient
 
     proc, cmd_ep, state_ep = start_server(serve_args, None)
     log(f"engine ready at {cmd_ep} ({' '.join(serve_args)})")

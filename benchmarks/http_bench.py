@@ -1,4 +1,4 @@
-"""What the OpenAI HTTP API costs: `python -m benchmarks.http_bench [--json] [--tiny] [serve options]`
+"""What the OpenAI HTTP API costs: `python -m kvscope.benchmarks.http_bench [--json] [--tiny] [serve options]`
 
 One real `kvscope serve --http-port 0` subprocess; the same greedy workload (token-id prompts,
 ignore_eos, so every request makes exactly --max-tokens tokens) from --concurrency streaming
@@ -45,7 +45,7 @@ def log(msg: str) -> None:
 
 
 def start_server(serve_args: list[str], threads: int | None):
-    cmd = [sys.executable, "-m", "engine.cli.serve", "--port", "0", "--http-port", "0",
+    cmd = [sys.executable, "-m", "kvscope.engine.cli.serve", "--port", "0", "--http-port", "0",
            *serve_args]
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True, env=env)
@@ -173,7 +173,7 @@ def run_http(url, prompts, max_tokens: int, concurrency: int) -> dict:
 
 def bench(serve_args, requests: int, concurrency: int, prompt_len: int, max_tokens: int,
           reps: int, threads: int | None) -> dict:
-    from ipc import EngineClient
+    from kvscope.ipc import EngineClient
 
     proc, command, state = start_server(serve_args, threads)
     try:
@@ -233,7 +233,7 @@ def table(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.http_bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m kvscope.benchmarks.http_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("--tiny", action="store_true", help="the tiny random test model")

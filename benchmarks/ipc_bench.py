@@ -1,4 +1,4 @@
-"""What the ZeroMQ side costs: `python -m benchmarks.ipc_bench [--json] [--tiny] [serve options]`
+"""What the ZeroMQ side costs: `python -m kvscope.benchmarks.ipc_bench [--json] [--tiny] [serve options]`
 
 (a) engine throughput with a subscriber to every state topic attached vs none: a real
     `kvscope serve` subprocess, the same greedy workload (ignore_eos, so every request makes
@@ -46,10 +46,10 @@ def filled_engine(num_blocks: int, block_size: int, num_seqs: int, seed: int = 0
     """Just what blocks_frame reads: a pool about 90 % used by requests sharing a prefix."""
     from types import SimpleNamespace
 
-    from engine.block_manager import BlockManager
-    from engine.sampling_params import SamplingParams
-    from engine.scheduler import Scheduler
-    from engine.sequence import Sequence
+    from kvscope.engine.block_manager import BlockManager
+    from kvscope.engine.sampling_params import SamplingParams
+    from kvscope.engine.scheduler import Scheduler
+    from kvscope.engine.sequence import Sequence
 
     rng = random.Random(seed)
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=True)
@@ -74,8 +74,8 @@ def bench_blocks_frame(num_blocks: int = 32768, block_size: int = 16, num_seqs: 
                        reps: int = 30) -> dict:
     import msgspec
 
-    from engine.server.snapshots import blocks_frame
-    from ipc import codec
+    from kvscope.engine.server.snapshots import blocks_frame
+    from kvscope.ipc import codec
 
     engine = filled_engine(num_blocks, block_size, num_seqs)
     build, enc, dec = [], [], []
@@ -103,7 +103,7 @@ def bench_blocks_frame(num_blocks: int = 32768, block_size: int = 16, num_seqs: 
 
 # -- (a) and (c): a live server ----------------------------------------------------------------
 def start_server(serve_args: list[str], threads: int | None):
-    cmd = [sys.executable, "-m", "engine.cli.serve", "--port", "0", *serve_args]
+    cmd = [sys.executable, "-m", "kvscope.engine.cli.serve", "--port", "0", *serve_args]
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True, env=env)
     line = proc.stdout.readline().split()
@@ -139,7 +139,7 @@ class Subscriber:
     """A second client on every topic, measuring step-end -> arrival latency."""
 
     def __init__(self, command: str, state: str) -> None:
-        from ipc import TOPICS, EngineClient
+        from kvscope.ipc import TOPICS, EngineClient
 
         self.latency: list[float] = []
         self.frames = dict.fromkeys(TOPICS, 0)
@@ -163,7 +163,7 @@ def publish_seconds(client) -> float:
 
 def bench_server(serve_args, requests: int, prompt_len: int, max_tokens: int, reps: int,
                  threads: int | None = None):
-    from ipc import EngineClient
+    from kvscope.ipc import EngineClient
 
     proc, command, state = start_server(serve_args, threads)
     client = EngineClient(command, state, timeout=120, heartbeat_timeout=30)
@@ -236,7 +236,7 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.ipc_bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m kvscope.benchmarks.ipc_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("--tiny", action="store_true",

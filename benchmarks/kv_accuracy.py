@@ -68,7 +68,7 @@ def positional(a: list[int], b: list[int]) -> float:
 
 
 def measure(engine, prompts, reference, text_ids, max_tokens) -> dict:
-    from engine.scoring import mean_kl, perplexity, token_log_probs
+    from kvscope.engine.scoring import mean_kl, perplexity, token_log_probs
 
     greedy = _greedy(engine, prompts, max_tokens)
     refs = reference["tokens"]
@@ -86,7 +86,7 @@ def measure(engine, prompts, reference, text_ids, max_tokens) -> dict:
 
 
 def _greedy(engine, prompts, max_tokens):
-    from engine import SamplingParams
+    from kvscope.engine import SamplingParams
 
     ids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
            for p in prompts]
@@ -98,9 +98,9 @@ def _greedy(engine, prompts, max_tokens):
 def run(args) -> dict:
     import torch
 
-    from engine import EngineConfig
-    from engine.llm import LLM
-    from engine.loader import load_model
+    from kvscope.engine import EngineConfig
+    from kvscope.engine.llm import LLM
+    from kvscope.engine.loader import load_model
 
     loaded = load_model(args.model, torch.float32)
     # Dense float32 weights: the KV dtype is the only thing that differs from the reference.
@@ -125,7 +125,7 @@ def run(args) -> dict:
 
 def reference_of(engine, prompts, max_tokens) -> dict:
     """Greedy continuations and their log-probs on the engine as it is (float32 KV)."""
-    from engine.scoring import token_log_probs
+    from kvscope.engine.scoring import token_log_probs
 
     tokens = _greedy(engine, prompts, max_tokens)
     return {"tokens": tokens, "log_probs": [token_log_probs(engine, p + r)[len(p) - 1:]

@@ -3,7 +3,7 @@ per second, and the time the engine thread spends per step turning the block man
 into a vLLM batch, encoding it and handing it to the publisher thread, under `kvscope bench`'s
 workload (random prompts, optionally sharing a prefix), with a live subscriber on loopback.
 
-    python -m benchmarks.kv_events_cost [--quick] [--shared-prefix N] [--num-kv-blocks B]
+    python -m kvscope.benchmarks.kv_events_cost [--quick] [--shared-prefix N] [--num-kv-blocks B]
         [--model default] [--json]
 
 Costs are per-call wall times on this machine, to compare with the step time of the same run.
@@ -18,7 +18,12 @@ import sys
 import threading
 import time
 
-from benchmarks.bench import DEFAULT_WORKLOAD, QUICK_WORKLOAD, build_workload, special_token_ids
+from kvscope.benchmarks.bench import (
+    DEFAULT_WORKLOAD,
+    QUICK_WORKLOAD,
+    build_workload,
+    special_token_ids,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,7 +62,7 @@ class Listener(threading.Thread):
 
     def __init__(self, endpoints) -> None:
         super().__init__(daemon=True)
-        from ipc.vllm_kv_subscriber import KVEventSubscriber
+        from kvscope.ipc.vllm_kv_subscriber import KVEventSubscriber
 
         self.sub = KVEventSubscriber(*endpoints)
         self.events = 0
@@ -76,7 +81,7 @@ class Listener(threading.Thread):
 def isolated_flush_us(engine, feed, block_size: int, n: int = 2000) -> float:
     """The same hand-over without the model running beside it: one typical batch (a prompt's
     4 new full blocks stored, 2 evicted), the median of n flushes."""
-    from engine.cache_events import BlockCached, BlockUncached
+    from kvscope.engine.cache_events import BlockCached, BlockUncached
 
     records = [BlockCached(10 + i, 9 + i if i else None, tuple(range(block_size)))
                for i in range(4)] + [BlockUncached(1), BlockUncached(2)]
@@ -91,7 +96,7 @@ def isolated_flush_us(engine, feed, block_size: int, n: int = 2000) -> float:
 
 def drive(engine, reqs, flush=None):
     """Run the workload to the end; per-step (step, flush, flush-that-published) seconds."""
-    from engine import SamplingParams
+    from kvscope.engine import SamplingParams
 
     engine.reconfigure(block_size=engine.config.block_size)  # an empty, cold prefix cache
     for r in reqs:
@@ -112,9 +117,9 @@ def drive(engine, reqs, flush=None):
 
 
 def run(args) -> dict:
-    from engine import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.server.kv_events import CacheEventFeed, KVEventPublisher, KVEventsConfig
+    from kvscope.engine import EngineConfig
+    from kvscope.engine.llm_engine import LLMEngine
+    from kvscope.engine.server.kv_events import CacheEventFeed, KVEventPublisher, KVEventsConfig
 
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device,
                                     block_size=args.block_size,

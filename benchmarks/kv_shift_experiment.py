@@ -12,7 +12,7 @@ Here c is the mean post-RoPE key per (layer, KV head, channel) of a calibration 
 evaluation prompts or text), measured once through a float32 pool; the engine's KV write is
 wrapped to subtract it (before the rotation) on the torch path. Rows as `kvscope kv-accuracy`.
 
-    python -m benchmarks.kv_shift_experiment [--dtypes fp8 int8] [--json]
+    python -m kvscope.benchmarks.kv_shift_experiment [--dtypes fp8 int8] [--json]
 """
 from __future__ import annotations
 
@@ -20,17 +20,17 @@ import argparse
 import json
 import sys
 
-from benchmarks import kv_accuracy
+from kvscope.benchmarks import kv_accuracy
 
 # The engine's own calibration text (the "calibrated" rotation measures on it too).
-from engine.kv_calibration import CALIBRATION_TEXT as CALIBRATION
+from kvscope.engine.kv_calibration import CALIBRATION_TEXT as CALIBRATION
 
 
 def key_means(engine, token_ids):
     """Per layer [kv_heads, head_dim]: the mean key of `token_ids` in a float32 pool."""
     import torch
 
-    from engine.scoring import token_log_probs
+    from kvscope.engine.scoring import token_log_probs
 
     engine.reconfigure(kv_dtype="float32", kv_rotation="none")  # a fresh, zeroed pool
     token_log_probs(engine, token_ids)
@@ -46,7 +46,7 @@ def key_means(engine, token_ids):
 def shifting_write(means, num_layers):
     """kernels.ops.write_kv that subtracts layer i's mean key; the model writes its layers
     in order, so the i-th call of a forward pass is layer i."""
-    from kernels import ops
+    from kvscope.kernels import ops
 
     original = ops.write_kv
     calls = [0]
@@ -74,10 +74,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import torch
 
-    from engine import EngineConfig
-    from engine import model as model_module
-    from engine.llm import LLM
-    from engine.loader import load_model
+    from kvscope.engine import EngineConfig
+    from kvscope.engine import model as model_module
+    from kvscope.engine.llm import LLM
+    from kvscope.engine.loader import load_model
 
     loaded = load_model(args.model, torch.float32)
     llm = LLM(EngineConfig(model=args.model), loaded=loaded)

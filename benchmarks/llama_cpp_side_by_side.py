@@ -1,6 +1,6 @@
 """One chat, kvscope vs llama.cpp on the same GGUF, same prompt tokens, same thread count.
 
-    python -m benchmarks.llama_cpp_side_by_side --llama-python /work/llama-venv/bin/python
+    python -m kvscope.benchmarks.llama_cpp_side_by_side --llama-python /work/llama-venv/bin/python
 
 llama.cpp comes from `llama-cpp-python`, which builds from source (about 25 minutes on two
 cores), so it lives in a venv of its own and is never a dependency of kvscope:
@@ -65,7 +65,7 @@ PROMPT = "Write a short story about a robot who learns to paint."
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.llama_cpp_side_by_side",
+    p = argparse.ArgumentParser(prog="python -m kvscope.benchmarks.llama_cpp_side_by_side",
                                 description=__doc__)
     p.add_argument("--llama-python", default="/work/llama-venv/bin/python",
                    help="an interpreter with llama-cpp-python installed")
@@ -77,7 +77,7 @@ def parse_args(argv):
     p.add_argument("--agreement", action="store_true",
                    help="also: llama.cpp's greedy agreement with Hugging Face float32 on the "
                         "kv-accuracy prompts (replies of up to 48 tokens, as "
-                        "benchmarks.single_stream measures kvscope's)")
+                        "kvscope.benchmarks.single_stream measures kvscope's)")
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
 
@@ -86,10 +86,10 @@ def llama_agreement(args, gguf: str, tokenizer) -> dict:
     """llama.cpp's replies to the kv-accuracy prompts against Hugging Face float32 greedy."""
     import torch
 
-    from benchmarks.kv_accuracy import PROMPTS
-    from benchmarks.single_stream import agreement, hf_reference, strip_eos
-    from engine.chat_template import chat_prompt_ids
-    from engine.model_files import resolve_checkpoint
+    from kvscope.benchmarks.kv_accuracy import PROMPTS
+    from kvscope.benchmarks.single_stream import agreement, hf_reference, strip_eos
+    from kvscope.engine.chat_template import chat_prompt_ids
+    from kvscope.engine.model_files import resolve_checkpoint
 
     prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": q}]) for q in PROMPTS]
     cfg = {"gguf": gguf, "threads": args.threads, "prompts": prompts, "max_tokens": 48}
@@ -121,7 +121,7 @@ def run_llama(args, gguf: str, prompt: list[int]) -> dict:
 def run_kvscope(args, dtype: str, weights: str, prompt: list[int]) -> dict:
     import torch
 
-    from engine import LLM, EngineConfig, SamplingParams
+    from kvscope.engine import LLM, EngineConfig, SamplingParams
 
     torch.set_num_threads(args.threads)
     llm = LLM(EngineConfig(dtype=dtype, weights=weights))
@@ -137,9 +137,9 @@ def run_kvscope(args, dtype: str, weights: str, prompt: list[int]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from benchmarks.kv_accuracy import common_prefix
-    from engine.chat_template import chat_prompt_ids
-    from engine.model_files import default_gguf_path, load_tokenizer, resolve_checkpoint
+    from kvscope.benchmarks.kv_accuracy import common_prefix
+    from kvscope.engine.chat_template import chat_prompt_ids
+    from kvscope.engine.model_files import default_gguf_path, load_tokenizer, resolve_checkpoint
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     tokenizer = load_tokenizer(resolve_checkpoint("default"))

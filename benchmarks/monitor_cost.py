@@ -3,7 +3,7 @@ dict, and rendering one /metrics scrape, on a pool of --blocks blocks with --req
 requests (the engine thread pays the first three; a scrape runs on the HTTP thread but holds
 the GIL while it renders).
 
-    python -m benchmarks.monitor_cost [--blocks 8192] [--requests 64]
+    python -m kvscope.benchmarks.monitor_cost [--blocks 8192] [--requests 64]
 """
 from __future__ import annotations
 
@@ -27,10 +27,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from prometheus_client import generate_latest
 
-    from engine import EngineConfig, SamplingParams, snapshots
-    from engine.llm_engine import LLMEngine
-    from engine.server.device_monitor import DeviceMonitor
-    from engine.server.metrics import EngineMetrics, EngineState
+    from kvscope.engine import EngineConfig, SamplingParams, snapshots
+    from kvscope.engine.llm_engine import LLMEngine
+    from kvscope.engine.server.device_monitor import DeviceMonitor
+    from kvscope.engine.server.metrics import EngineMetrics, EngineState
 
     # int8 KV keeps a big pool small (8192 blocks of SmolLM2: 1.6 GB) on a CPU box.
     engine = LLMEngine(EngineConfig(model=args.model, num_kv_blocks=args.blocks, kv_dtype="int8",

@@ -4,7 +4,7 @@ shift and q/k balance) and calibrated with anchor tokens (engine/kv_anchors.py, 
 stepped alternately through the same decode batch so all see the same machine load; plus the transform's own ops timed alone (q balanced and rotated, k shifted, balanced
 and rotated, v rotated, the output rotated back, every layer) against the step.
 
-    python -m benchmarks.rotation_cost [--batch 8] [--prompt 256] [--steps 40] [--json]
+    python -m kvscope.benchmarks.rotation_cost [--batch 8] [--prompt 256] [--steps 40] [--json]
 
 On CUDA the rotation is fused into the Triton KV write and attention kernels (no separate
 op), so there the step difference is the figure; on CPU the torch path runs it as four small
@@ -25,9 +25,9 @@ SETTINGS = [("none", "none", 0), ("hadamard", "hadamard", 0), ("calibrated", "ca
 def decode_engines(args):
     import torch
 
-    from engine import EngineConfig, SamplingParams
-    from engine.llm_engine import LLMEngine
-    from engine.loader import load_model
+    from kvscope.engine import EngineConfig, SamplingParams
+    from kvscope.engine.llm_engine import LLMEngine
+    from kvscope.engine.loader import load_model
 
     loaded = load_model(args.model, torch.float32 if args.device == "cpu" else torch.bfloat16)
     engines = {}
@@ -61,8 +61,8 @@ def rotation_ops_s(engine, sync, reps: int) -> float:
     batch's shapes."""
     import torch
 
-    from kernels.k_balance import balance_k, balance_q
-    from kernels.rotation import rotate, unrotate
+    from kvscope.kernels.k_balance import balance_k, balance_q
+    from kvscope.kernels.rotation import rotate, unrotate
 
     s, r = engine.model.shape, engine.pool.rotation
     kb = engine.pool.k_balance[0] if engine.pool.k_balance else None

@@ -1,7 +1,7 @@
 """One chat at a time: decode tokens/s and greedy agreement with Hugging Face float32, for
 each weight format and model dtype (the measurements behind the CPU default).
 
-    python -m benchmarks.single_stream [--combos float32:dense bfloat16:int4 ...] [--json]
+    python -m kvscope.benchmarks.single_stream [--combos float32:dense bfloat16:int4 ...] [--json]
 
 Speed: the kv-accuracy prompt set's first prompt (chat template applied), `--tokens`
 generated with ignore_eos after a warm-up, best of `--repeats`; tok/s = tokens / seconds of
@@ -26,7 +26,7 @@ DEFAULT_COMBOS = ["float32:dense", "bfloat16:dense", "float32:int4", "bfloat16:i
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.single_stream", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m kvscope.benchmarks.single_stream", description=__doc__)
     p.add_argument("--model", default="default")
     p.add_argument("--combos", nargs="+", default=DEFAULT_COMBOS,
                    help="dtype:weights pairs, e.g. float32:dense bfloat16:int4")
@@ -57,13 +57,13 @@ def strip_eos(tokens, eos: set[int]) -> list[int]:
 
 
 def agreement(got: list[int], ref: list[int]) -> float:
-    from benchmarks.kv_accuracy import common_prefix
+    from kvscope.benchmarks.kv_accuracy import common_prefix
 
     return common_prefix(got, ref) / max(len(got), len(ref), 1)
 
 
 def decode_speed(llm, prompt: list[int], tokens: int, repeats: int) -> float:
-    from engine import SamplingParams
+    from kvscope.engine import SamplingParams
 
     llm.generate(prompt, SamplingParams(max_tokens=8))
     best = 0.0
@@ -77,9 +77,9 @@ def decode_speed(llm, prompt: list[int], tokens: int, repeats: int) -> float:
 def run(args) -> dict:
     import torch
 
-    from benchmarks.kv_accuracy import PROMPTS
-    from engine import LLM, EngineConfig, SamplingParams
-    from engine.loader import load_model
+    from kvscope.benchmarks.kv_accuracy import PROMPTS
+    from kvscope.engine import LLM, EngineConfig, SamplingParams
+    from kvscope.engine.loader import load_model
 
     loaded = load_model(args.model, torch.float32)
     results = {}

@@ -1,7 +1,7 @@
 """Where a decode step goes: attention (the paged gather, scores, softmax and weighted sum),
 the KV write, the matmuls, and the rest, for N sequences decoding at a given context length.
 
-    python -m benchmarks.step_profile [--dtype bfloat16] [--weights dense] [--seqs 16]
+    python -m kvscope.benchmarks.step_profile [--dtype bfloat16] [--weights dense] [--seqs 16]
                                       [--context 160] [--steps 20] [--threads N] [--json]
 
 The N sequences are prefilled with --context random tokens each (no prefix sharing), then
@@ -22,7 +22,7 @@ import time
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.step_profile", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m kvscope.benchmarks.step_profile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default")
     p.add_argument("--dtype", default="bfloat16")
@@ -57,8 +57,8 @@ def instrument(model) -> dict[str, Clock]:
     names engine.model and engine.fused_decode look up, so nothing in the engine changes).
     A fused decode step (engine.fused_decode) writes K/V inside its RoPE call: that counts
     as other."""
-    import engine.fused_decode as fused
-    import engine.model as model_module
+    import kvscope.engine.fused_decode as fused
+    import kvscope.engine.model as model_module
 
     clocks = {"attention": Clock(), "kv_write": Clock(), "matmul": Clock()}
     model_module.paged_attention = clocks["attention"].wrap(model_module.paged_attention)
@@ -77,8 +77,8 @@ def instrument(model) -> dict[str, Clock]:
 def run(args) -> dict:
     import torch
 
-    from engine import EngineConfig, SamplingParams
-    from engine.llm import LLM
+    from kvscope.engine import EngineConfig, SamplingParams
+    from kvscope.engine.llm import LLM
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -96,8 +96,8 @@ def run(args) -> dict:
         engine.step()
     for _ in range(3):  # warm the decode path
         engine.step()
-    import engine.fused_decode as fused
-    import engine.model as model_module
+    import kvscope.engine.fused_decode as fused
+    import kvscope.engine.model as model_module
 
     kernels = (model_module.paged_attention, model_module.write_kv)
     fused_kernels = (fused.attention, fused.int4, fused.dense)

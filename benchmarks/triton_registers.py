@@ -2,7 +2,7 @@
 machine without one: Triton lowers to PTX and its bundled ptxas and cuobjdump build and read
 the cubin, so no driver or device is needed.
 
-    python -m benchmarks.triton_registers [--caps 80 90] [--json]
+    python -m kvscope.benchmarks.triton_registers [--caps 80 90] [--json]
 
 The configuration is the engine's decode step on SmolLM2 (head_dim 64, GQA 3, 16-row query
 tiles, 64-key tiles, bfloat16 dots, an int8 pool), and its prefill tile (64 rows), with and
@@ -50,7 +50,7 @@ def resource_usage(cap: int, num_warps: int, constants: dict) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels.triton_attention import _paged_attention_kernel as kernel
+    from kvscope.kernels.triton_attention import _paged_attention_kernel as kernel
 
     names = kernel.arg_names
     const_names = {p.name for p in kernel.params if p.is_constexpr}

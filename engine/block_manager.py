@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from engine.cache_events import BlockCached, BlockUncached, CacheEvent
-from engine.sequence import Sequence
+from kvscope.engine.cache_events import BlockCached, BlockUncached, CacheEvent
+from kvscope.engine.sequence import Sequence
 
 
 @dataclass

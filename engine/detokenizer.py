@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine.sequence import Sequence
+from kvscope.engine.sequence import Sequence
 
 
 def decode_delta(decode: Callable[[list[int]], str], seq: Sequence) -> str:

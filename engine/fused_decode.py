@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.weight_formats import INT4_GROUP, DenseLinear, Int4Linear
-from kernels import cpu_attention, cpu_linear, native, ops
+from kvscope.engine.weight_formats import INT4_GROUP, DenseLinear, Int4Linear
+from kvscope.kernels import cpu_attention, cpu_linear, native, ops
 
 BF16 = torch.bfloat16
 # kvscope_rope_write turns a head in a stack buffer of this many floats, and the glue holds a

@@ -5,11 +5,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_anchors import AnchorTable
-from engine.model import ModelShape
-from kernels.k_balance import KBalanceLayer
-from kernels.quant import SCALE_DTYPE, is_quantized
-from kernels.rotation import rotation_matrix
+from kvscope.engine.kv_anchors import AnchorTable
+from kvscope.engine.model import ModelShape
+from kvscope.kernels.k_balance import KBalanceLayer
+from kvscope.kernels.quant import SCALE_DTYPE, is_quantized
+from kvscope.kernels.rotation import rotation_matrix
 
 
 def kv_bytes_per_token(shape: ModelShape, dtype: torch.dtype) -> int:

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.chat_template import chat_prompt_ids
-from engine.model import PagedLlama, apply_rope, rms_norm
-from kernels.k_balance import KBalanceLayer
+from kvscope.engine.chat_template import chat_prompt_ids
+from kvscope.engine.model import PagedLlama, apply_rope, rms_norm
+from kvscope.kernels.k_balance import KBalanceLayer
 
 CALIBRATION_TEXT = (
     "The museum opened its new wing on a rainy Tuesday. Visitors queued under umbrellas, "

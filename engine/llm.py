@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from engine.chat_template import chat_prompt_ids
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from kvscope.engine.chat_template import chat_prompt_ids
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.llm_engine import LLMEngine
+from kvscope.engine.outputs import RequestOutput
+from kvscope.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 

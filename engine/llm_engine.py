@@ -10,27 +10,27 @@ from dataclasses import replace
 
 import torch
 
-from engine.block_manager import BlockManager
-from engine.config import (
+from kvscope.engine.block_manager import BlockManager
+from kvscope.engine.config import (
     EngineConfig,
     resolve_device,
     resolve_dtype,
     resolve_kv_dtype,
     resolve_kv_rotation,
 )
-from engine.detokenizer import Decoder, decode_delta, decode_rest
-from engine.kv_cache import KVPool, kv_bytes_per_token, num_blocks_for_budget
-from engine.kv_calibration import calibrate_k_balance
-from engine.loader import LoadedModel, load_model
-from engine.model import PagedLlama
-from engine.model_runner import ModelRunner
-from engine.outputs import RequestOutput, TokenDelta
-from engine.sampler import make_generator, sample
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq, Scheduler
-from engine.sequence import Sequence
-from engine.weight_formats import resolve_weights
-from kernels.rotation import matrix_name
+from kvscope.engine.detokenizer import Decoder, decode_delta, decode_rest
+from kvscope.engine.kv_cache import KVPool, kv_bytes_per_token, num_blocks_for_budget
+from kvscope.engine.kv_calibration import calibrate_k_balance
+from kvscope.engine.loader import LoadedModel, load_model
+from kvscope.engine.model import PagedLlama
+from kvscope.engine.model_runner import ModelRunner
+from kvscope.engine.outputs import RequestOutput, TokenDelta
+from kvscope.engine.sampler import make_generator, sample
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.scheduler import ScheduledSeq, Scheduler
+from kvscope.engine.sequence import Sequence
+from kvscope.engine.weight_formats import resolve_weights
+from kvscope.kernels.rotation import matrix_name
 
 
 def kv_dtype_name(dtype: torch.dtype) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.weight_formats import Int4Linear
+from kvscope.engine.weight_formats import Int4Linear
 
 RESCORE_TOP = 32
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from engine import model_files
+from kvscope.engine import model_files
 
 
 @dataclass

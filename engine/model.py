@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine import fused_decode
-from engine.lm_head import RescoredHead
-from engine.weight_formats import int4_supports, make_linear
-from kernels.attention_ref import AttentionMetadata
-from kernels.ops import paged_attention, write_kv
+from kvscope.engine import fused_decode
+from kvscope.engine.lm_head import RescoredHead
+from kvscope.engine.weight_formats import int4_supports, make_linear
+from kvscope.kernels.attention_ref import AttentionMetadata
+from kvscope.kernels.ops import paged_attention, write_kv
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 

@@ -6,11 +6,11 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.kv_cache import KVPool
-from engine.model import PagedLlama
-from engine.scheduler import ScheduledSeq
-from kernels import native
-from kernels.attention_ref import AttentionMetadata, group_decode_rows
+from kvscope.engine.kv_cache import KVPool
+from kvscope.engine.model import PagedLlama
+from kvscope.engine.scheduler import ScheduledSeq
+from kvscope.kernels import native
+from kvscope.kernels.attention_ref import AttentionMetadata, group_decode_rows
 
 
 class ModelRunner:

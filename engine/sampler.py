@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sequence import Sequence
+from kvscope.engine.sequence import Sequence
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:

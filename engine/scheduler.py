@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from engine.block_manager import BlockManager
-from engine.sequence import Sequence, SequenceStatus
+from kvscope.engine.block_manager import BlockManager
+from kvscope.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)

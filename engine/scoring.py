@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq
-from engine.sequence import Sequence
+from kvscope.engine.llm_engine import LLMEngine
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.scheduler import ScheduledSeq
+from kvscope.engine.sequence import Sequence
 
 
 @torch.inference_mode()

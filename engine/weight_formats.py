@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.config import WEIGHT_FORMATS
-from kernels import cpu_linear, ops
+from kvscope.engine.config import WEIGHT_FORMATS
+from kvscope.kernels import cpu_linear, ops
 
 INT4_GROUP = 32
 # The packing kernel tiles output rows by 16.

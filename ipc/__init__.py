@@ -2,8 +2,8 @@
 
 Depends on pyzmq and msgspec only (never torch, Qt or the engine).
 """
-from ipc.client import Completion, EngineClient, EngineDead, EngineError, EngineTimeout
-from ipc.messages import PROTOCOL_VERSION, TOPICS
+from kvscope.ipc.client import Completion, EngineClient, EngineDead, EngineError, EngineTimeout
+from kvscope.ipc.messages import PROTOCOL_VERSION, TOPICS
 
 __all__ = ["PROTOCOL_VERSION", "TOPICS", "Completion", "EngineClient", "EngineDead",
            "EngineError", "EngineTimeout"]

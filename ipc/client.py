@@ -31,11 +31,11 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ipc import codec
-from ipc import messages as m
-from ipc.curve import secure_client_socket
-from ipc.endpoints import is_ipv6, state_endpoint_for
-from ipc.keys import ClientKeys
+from kvscope.ipc import codec
+from kvscope.ipc import messages as m
+from kvscope.ipc.curve import secure_client_socket
+from kvscope.ipc.endpoints import is_ipv6, state_endpoint_for
+from kvscope.ipc.keys import ClientKeys
 
 POLL_S = 0.1  # how often the I/O thread looks at the clock when nothing arrives
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
-from ipc import messages as m
+from kvscope.ipc import messages as m
 
 _encoder = msgspec.msgpack.Encoder()
 _command_decoder = msgspec.msgpack.Decoder(m.Command)

@@ -15,7 +15,7 @@ from pathlib import Path
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from ipc.keys import ClientKeys, ServerKeys, allowed_keys
+from kvscope.ipc.keys import ClientKeys, ServerKeys, allowed_keys
 
 ZAP_DOMAIN = "kvscope"
 

@@ -22,7 +22,7 @@ import zmq
 import zmq.auth
 from zmq.utils import z85
 
-from ipc.endpoints import is_local, split_tcp
+from kvscope.ipc.endpoints import is_local, split_tcp
 
 SERVER, CLIENT = "server", "client"
 ALLOWED = "allowed_clients"

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import zmq
 
-from ipc import vllm_kv_events as v
-from ipc.curve import secure_client_socket
-from ipc.keys import ClientKeys
+from kvscope.ipc import vllm_kv_events as v
+from kvscope.ipc.curve import secure_client_socket
+from kvscope.ipc.keys import ClientKeys
 
 REPLAY_TIMEOUT_MS = 5000  # a replay that has not ended by then is abandoned (gap counted)
 MAX_MESSAGE_BYTES = 64 << 20

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.anchors import Anchors, overlay_anchors
-from kernels.quant import dequantize
+from kvscope.kernels.anchors import Anchors, overlay_anchors
+from kvscope.kernels.quant import dequantize
 
 
 @dataclass

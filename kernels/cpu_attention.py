@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels import native
-from kernels.anchors import Anchors
-from kernels.attention_ref import AttentionMetadata, paged_attention_ref
+from kvscope.kernels import native
+from kvscope.kernels.anchors import Anchors
+from kvscope.kernels.attention_ref import AttentionMetadata, paged_attention_ref
 
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3,
          torch.float8_e4m3fn: 4}

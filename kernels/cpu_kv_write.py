@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import native
-from kernels.k_balance import KBalanceLayer
+from kvscope.kernels import native
+from kvscope.kernels.k_balance import KBalanceLayer
 
 MAX_HEAD_DIM = 1024
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import native
+from kvscope.kernels import native
 
 KINDS = {torch.float32: 0, torch.bfloat16: 1}
 MAX_ROWS = {torch.float32: 32, torch.bfloat16: None}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.quant import is_quantized, quantize
+from kvscope.kernels.quant import is_quantized, quantize
 
 
 def write_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

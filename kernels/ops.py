@@ -12,12 +12,12 @@ import os
 
 import torch
 
-from kernels import cpu_attention, cpu_kv_write, native
-from kernels.anchors import Anchors, write_anchors
-from kernels.attention_ref import AttentionMetadata, paged_attention_ref
-from kernels.k_balance import KBalanceLayer, balance_k, balance_q
-from kernels.kv_write_ref import write_kv_ref
-from kernels.rotation import rotate, unrotate
+from kvscope.kernels import cpu_attention, cpu_kv_write, native
+from kvscope.kernels.anchors import Anchors, write_anchors
+from kvscope.kernels.attention_ref import AttentionMetadata, paged_attention_ref
+from kvscope.kernels.k_balance import KBalanceLayer, balance_k, balance_q
+from kvscope.kernels.kv_write_ref import write_kv_ref
+from kvscope.kernels.rotation import rotate, unrotate
 
 ENV = "KVSCOPE_KERNELS"
 BACKENDS = ("ref", "triton")
@@ -59,7 +59,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                       rotate(value[rows], rotation), slots, anchors)
     path = backend(k_cache.device)
     if path == "triton":
-        from kernels.triton_kv_write import write_kv_triton
+        from kvscope.kernels.triton_kv_write import write_kv_triton
 
         write_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale,
                         rotation=rotation, k_balance=k_balance)
@@ -88,7 +88,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     with an anchor entry are read from it instead of the pool."""
     path = backend(query.device)
     if path == "triton":
-        from kernels.triton_attention import paged_attention_triton
+        from kvscope.kernels.triton_attention import paged_attention_triton
 
         return paged_attention_triton(query, k_cache, v_cache, meta, scale, k_scale, v_scale,
                                       rotation=rotation, k_balance=k_balance, anchors=anchors)

@@ -60,11 +60,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.anchors import Anchors
-from kernels.attention_ref import AttentionMetadata
-from kernels.k_balance import KBalanceLayer
-from kernels.quant import is_quantized
-from kernels.triton_kv_write import _bf16_rne, check_k_balance, check_rotation
+from kvscope.kernels.anchors import Anchors
+from kvscope.kernels.attention_ref import AttentionMetadata
+from kvscope.kernels.k_balance import KBalanceLayer
+from kvscope.kernels.quant import is_quantized
+from kvscope.kernels.triton_kv_write import _bf16_rne, check_k_balance, check_rotation
 
 _LOG2E = 1.4426950408889634
 

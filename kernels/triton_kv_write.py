@@ -35,8 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.k_balance import KBalanceLayer
-from kernels.quant import MIN_SCALE, QMAX, is_quantized
+from kvscope.kernels.k_balance import KBalanceLayer
+from kvscope.kernels.quant import MIN_SCALE, QMAX, is_quantized
 
 _KIND = {torch.int8: 1, torch.float8_e4m3fn: 2}
 

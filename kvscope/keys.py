@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ipc import keys
+from kvscope.ipc import keys
 
 
 def build_parser() -> argparse.ArgumentParser:

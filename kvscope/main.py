@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = {"bench": "benchmarks.bench", "kv-accuracy": "benchmarks.kv_accuracy"}
+BENCHMARKS = {"bench": "kvscope.benchmarks.bench", "kv-accuracy": "kvscope.benchmarks.kv_accuracy"}
 LIGHT = {"keys": "kvscope.keys"}  # commands that load neither torch nor Qt
 
 
@@ -20,13 +20,13 @@ def wants_gui(argv: list[str]) -> bool:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if wants_gui(argv):
-        from app.main import main as gui_main
+        from kvscope.app.main import main as gui_main
 
         return gui_main(argv[1:] if argv[:1] == ["gui"] else argv)
     if argv[0] in BENCHMARKS or argv[0] in LIGHT:
         module = BENCHMARKS.get(argv[0]) or LIGHT[argv[0]]
         return importlib.import_module(module).main(argv[1:])
-    from engine.cli.main import main as engine_main
+    from kvscope.engine.cli.main import main as engine_main
 
     return engine_main(argv)
 

@@ -5,7 +5,7 @@ import time
 
 import numpy as np
 
-from ipc import messages as m
+from kvscope.ipc import messages as m
 
 
 def blocks_frame(num_blocks: int = 64, block_size: int = 16,

@@ -39,7 +39,7 @@ def _app_leak_check(request):
 def client(server):
     """An EngineClient on the test module's `server` (a server_harness.Server). Generous
     heartbeat timeout: other test processes share the CPUs."""
-    from ipc import EngineClient
+    from kvscope.ipc import EngineClient
 
     c = EngineClient(server.command, server.state, timeout=60, heartbeat_timeout=15)
     yield c

@@ -6,9 +6,9 @@ import time
 
 import zmq
 
-from ipc import codec, keys
-from ipc import messages as m
-from ipc.curve import ServerAuth, secure_server_socket
+from kvscope.ipc import codec, keys
+from kvscope.ipc import messages as m
+from kvscope.ipc.curve import ServerAuth, secure_server_socket
 
 
 class CurveHeartbeats:

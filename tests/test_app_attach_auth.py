@@ -8,9 +8,9 @@ import pytest
 from curve_stub import CurveHeartbeats
 from PySide6.QtCore import QSettings
 
-from app.main import attach_keys, build_parser
-from app.main import main as gui_main
-from ipc import EngineClient, keys
+from kvscope.app.main import attach_keys, build_parser
+from kvscope.app.main import main as gui_main
+from kvscope.ipc import EngineClient, keys
 
 
 @pytest.fixture
@@ -22,7 +22,7 @@ def engine_keys(tmp_path, monkeypatch):
 
 
 def test_a_refused_window_says_so_within_the_heartbeat_timeout(qtbot, tmp_path, engine_keys):
-    from app.main_window import MainWindow
+    from kvscope.app.main_window import MainWindow
 
     stranger = tmp_path / "stranger"
     keys.init_keys(stranger)

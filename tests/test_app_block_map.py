@@ -9,9 +9,9 @@ import numpy as np
 import pyqtgraph as pg
 from app_fakes import blocks_frame
 
-from app import colors
-from app.blocks.block_grid import grid_shape
-from app.blocks.block_map import BlockMap
+from kvscope.app import colors
+from kvscope.app.blocks.block_grid import grid_shape
+from kvscope.app.blocks.block_map import BlockMap
 
 
 def make(qtbot, frame):

@@ -13,9 +13,9 @@ import zmq
 from app_fakes import blocks_frame, heartbeat, leaked_threads, step_frame
 from PySide6.QtCore import QTimer
 
-from app.bridge import EngineBridge
-from ipc import codec
-from ipc import messages as m
+from kvscope.app.bridge import EngineBridge
+from kvscope.ipc import codec
+from kvscope.ipc import messages as m
 
 BURST = 10_000
 

@@ -6,8 +6,8 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 from app_fakes import blocks_frame
 from PySide6.QtCore import Qt
 
-from app.chat.panel import ChatPanel
-from ipc.messages import Delta
+from kvscope.app.chat.panel import ChatPanel
+from kvscope.ipc.messages import Delta
 
 
 def delta(rid, text, n, **kw):

@@ -3,7 +3,7 @@ import os
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
-from app.controls.panel import MIB, ControlsPanel
+from kvscope.app.controls.panel import MIB, ControlsPanel
 
 CONFIG = {"block_size": 16, "kv_dtype": "auto", "kv_cache_bytes": 256 * MIB,
           "num_kv_blocks": None, "max_num_seqs": 64, "max_num_batched_tokens": 512,

@@ -13,12 +13,12 @@ from PySide6.QtCore import QEvent, QPoint, QSettings
 from PySide6.QtGui import QColor, QHelpEvent
 from PySide6.QtWidgets import QApplication, QToolTip
 
-from app.device.memory_bar import MemoryBar
-from app.device.memory_math import COLORS, NAMES, bar_edges, memory_segments
-from app.device.panel import NO_DATA, DevicePanel
-from app.fmt import human_bytes
-from app.plots.batch_plots import BatchPlots
-from ipc.messages import DeviceFrame
+from kvscope.app.device.memory_bar import MemoryBar
+from kvscope.app.device.memory_math import COLORS, NAMES, bar_edges, memory_segments
+from kvscope.app.device.panel import NO_DATA, DevicePanel
+from kvscope.app.fmt import human_bytes
+from kvscope.app.plots.batch_plots import BatchPlots
+from kvscope.ipc.messages import DeviceFrame
 
 GIB = 2**30
 MIB = 2**20
@@ -150,7 +150,7 @@ def test_bar_pixels_and_tooltips(qtbot):
 
 # -- the panel --------------------------------------------------------------------------------
 def test_other_processes_are_listed_like_nvidia_smi(qtbot):
-    from ipc.messages import DeviceProcess
+    from kvscope.ipc.messages import DeviceProcess
 
     procs = [DeviceProcess(4321, "python3", 100 * GIB), DeviceProcess(99, "Xorg", 300 * MIB),
              DeviceProcess(7, "", None)]
@@ -284,7 +284,7 @@ def test_window_presets_stay_in_sync_both_ways(qtbot):
 
 # -- the window --------------------------------------------------------------------------------
 def test_window_routes_device_frames_to_the_panel(qtbot, tmp_path, monkeypatch):
-    from app.main_window import MainWindow
+    from kvscope.app.main_window import MainWindow
 
     w = MainWindow(attach="tcp://127.0.0.1:9",
                    settings=QSettings(str(tmp_path / "s.ini"), QSettings.Format.IniFormat))
@@ -319,7 +319,7 @@ def test_window_routes_device_frames_to_the_panel(qtbot, tmp_path, monkeypatch):
 def test_window_fits_a_1600_px_screen_with_live_data(qtbot, tmp_path):
     """The device panel must not push the window wider than a laptop screen, nor may long
     live texts (the plots' summary, the CPU name) once they arrive."""
-    from app.main_window import MainWindow
+    from kvscope.app.main_window import MainWindow
 
     w = MainWindow(attach="tcp://127.0.0.1:9",
                    settings=QSettings(str(tmp_path / "s.ini"), QSettings.Format.IniFormat))
@@ -345,7 +345,7 @@ def test_window_shows_a_real_cpu_engine(qtbot, tmp_path):
     from app_fakes import leaked_threads
     from tiny_models import save_tiny_model
 
-    from app.main_window import MainWindow
+    from kvscope.app.main_window import MainWindow
 
     model = save_tiny_model(tmp_path / "tiny", "llama", seed=0)
     before = set(threading.enumerate())

@@ -11,10 +11,10 @@ from app_fakes import active_timers, leaked_threads
 from PySide6.QtCore import QSettings, Qt
 from tiny_models import save_tiny_model
 
-from app import colors
-from app.blocks.block_grid import describe_block, grid_shape
-from app.main_window import MainWindow
-from ipc.messages import BLOCK_STATE_MASK, BLOCK_USED
+from kvscope.app import colors
+from kvscope.app.blocks.block_grid import describe_block, grid_shape
+from kvscope.app.main_window import MainWindow
+from kvscope.ipc.messages import BLOCK_STATE_MASK, BLOCK_USED
 
 LUT = colors.build_lut()
 

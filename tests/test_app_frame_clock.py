@@ -12,13 +12,13 @@ from pathlib import Path
 from app_fakes import heartbeat, stats_frame, step_frame
 from PySide6.QtCore import QSettings
 
-from app import frame_clock
-from app.frame_clock import FrameClock, FrameJobs
-from app.main_window import MainWindow
-from app.plots.time_window import nice_ceiling, x_range
+from kvscope.app import frame_clock
+from kvscope.app.frame_clock import FrameClock, FrameJobs
+from kvscope.app.main_window import MainWindow
+from kvscope.app.plots.time_window import nice_ceiling, x_range
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.gui_bench import synthetic_frames  # the benchmark's own frames
+from kvscope.benchmarks.gui_bench import synthetic_frames  # the benchmark's own frames
 
 
 def test_plots_and_labels_take_turns(qtbot):

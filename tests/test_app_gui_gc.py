@@ -4,7 +4,7 @@ import gc
 import threading
 import weakref
 
-from app.gui_gc import GuiThreadCollector
+from kvscope.app.gui_gc import GuiThreadCollector
 
 
 class Node:

@@ -12,8 +12,8 @@ from app_fakes import active_timers, leaked_threads
 from PySide6.QtCore import QSettings
 from server_harness import save_chat_model
 
-from app.main_window import MainWindow
-from ipc.messages import BLOCK_STATE_MASK, BLOCK_USED
+from kvscope.app.main_window import MainWindow
+from kvscope.ipc.messages import BLOCK_STATE_MASK, BLOCK_USED
 
 # Long enough that only a hang-up ends it within the test's waits, however fast the machine.
 LONG = 200_000

@@ -8,10 +8,10 @@ import msgspec
 from app_fakes import blocks_frame, stats_frame
 from PySide6.QtCore import QSettings
 
-from app import settings as app_settings
-from app.blocks.block_map import BlockMap
-from app.status_bar import EngineStatusBar
-from ipc import messages as m
+from kvscope.app import settings as app_settings
+from kvscope.app.blocks.block_map import BlockMap
+from kvscope.app.status_bar import EngineStatusBar
+from kvscope.ipc import messages as m
 
 
 def test_block_map_marks_http_requests(qtbot):

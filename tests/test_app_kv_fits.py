@@ -11,10 +11,10 @@ import re
 import pytest
 from PySide6.QtCore import Qt
 
-from app.calculator import kv_math
-from app.calculator.panel import KVCalculatorPanel
-from app.calculator.what_fits import FIT_ROWS, MANUAL, SHOW_REQUESTS, THIS_DEVICE
-from ipc.messages import DeviceFrame
+from kvscope.app.calculator import kv_math
+from kvscope.app.calculator.panel import KVCalculatorPanel
+from kvscope.app.calculator.what_fits import FIT_ROWS, MANUAL, SHOW_REQUESTS, THIS_DEVICE
+from kvscope.ipc.messages import DeviceFrame
 
 GiB = 1 << 30
 SHAPES = {name: kv_math.ModelShape(*shape) for name, shape in kv_math.PRESETS.items()}

@@ -14,8 +14,8 @@ from typing import ClassVar
 
 import pytest
 
-from app.controls.load_stats import LoadStats, gamma_gap, percentile
-from app.controls.openai_load import OpenAILoadPanel
+from kvscope.app.controls.load_stats import LoadStats, gamma_gap, percentile
+from kvscope.app.controls.openai_load import OpenAILoadPanel
 
 GAP_S = 0.03  # the scripted server's pause before each token
 

@@ -10,12 +10,12 @@ from app_fakes import blocks_frame, stats_frame, step_frame
 from PySide6.QtCore import QSettings
 from PySide6.QtWidgets import QWidget
 
-from app.calculator import kv_math
-from app.calculator.panel import KVCalculatorPanel
-from app.controls.load_generator import LoadGenerator
-from app.main import build_parser, engine_args
-from app.plots.batch_plots import BatchPlots
-from ipc.messages import Delta
+from kvscope.app.calculator import kv_math
+from kvscope.app.calculator.panel import KVCalculatorPanel
+from kvscope.app.controls.load_generator import LoadGenerator
+from kvscope.app.main import build_parser, engine_args
+from kvscope.app.plots.batch_plots import BatchPlots
+from kvscope.ipc.messages import Delta
 
 
 def test_kv_math_matches_known_models():
@@ -41,7 +41,7 @@ def test_kv_math_uses_fragsim_without_torch():
 
 
 def test_fragsim_defaults_through_the_app_code():
-    from kvmath.fragsim import random_lengths
+    from kvscope.kvmath.fragsim import random_lengths
 
     c = kv_math.compare(random_lengths(1000, 50, 2048, seed=42), max_len=2048, block_size=16)
     assert (round(100 * c.reserved_waste, 1), round(100 * c.paged_waste, 1)) == (48.7, 0.7)
@@ -131,7 +131,7 @@ def test_engine_options_pass_through():
 
 
 def test_settings_persist_between_runs(qtbot, tmp_path):
-    from app.main_window import MainWindow
+    from kvscope.app.main_window import MainWindow
 
     path = str(tmp_path / "s.ini")
     w = MainWindow(attach="tcp://127.0.0.1:9", settings=QSettings(path, QSettings.Format.IniFormat))
@@ -170,7 +170,7 @@ def test_void_qt_calls_keep_none_refcount():
 
 
 def test_kv_calculator_hints_come_from_the_measured_table(qtbot):
-    from app.calculator import accuracy
+    from kvscope.app.calculator import accuracy
 
     panel = KVCalculatorPanel()
     qtbot.addWidget(panel)

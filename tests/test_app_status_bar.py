@@ -5,7 +5,7 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 from app_fakes import heartbeat, stats_frame
 
-from app.status_bar import DEAD_AFTER_S, EngineStatusBar
+from kvscope.app.status_bar import DEAD_AFTER_S, EngineStatusBar
 
 
 def test_dead_when_heartbeats_stop(qtbot):
@@ -44,7 +44,7 @@ def test_dead_from_real_timer(qtbot):
 
 
 def test_metrics_url_is_shown_only_when_served(qtbot):
-    from ipc import messages as m
+    from kvscope.ipc import messages as m
 
     bar = EngineStatusBar()
     qtbot.addWidget(bar)

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from tiny_models import save_tiny_model
 
-from app.bridge import EngineBridge
-from app.traces.file import TraceFileError, read_series
-from app.traces.panel import engine_args_from
-from app.traces.record import TraceRecordPanel
-from app.traces.replay import TraceReplayPanel
-from ipc import messages as m
+from kvscope.app.bridge import EngineBridge
+from kvscope.app.traces.file import TraceFileError, read_series
+from kvscope.app.traces.panel import engine_args_from
+from kvscope.app.traces.record import TraceRecordPanel
+from kvscope.app.traces.replay import TraceReplayPanel
+from kvscope.ipc import messages as m
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -184,7 +184,7 @@ def test_replay_can_be_cancelled_and_close_kills_it(qtbot, model, recorded):
 def test_window_records_a_real_session_and_replays_it(qtbot, model, tmp_path, monkeypatch):
     from PySide6.QtCore import QSettings, Qt
 
-    from app.main_window import MainWindow
+    from kvscope.app.main_window import MainWindow
 
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))  # the engine's trace folder
     settings = QSettings(str(tmp_path / "kvscope.ini"), QSettings.Format.IniFormat)

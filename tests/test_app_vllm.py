@@ -7,8 +7,8 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 import pytest
 from fake_vllm import REPLY, FakeKvEvents, FakeVllmHttp
 
-from app.vllm.source import VllmTarget
-from app.vllm.window import VllmWindow
+from kvscope.app.vllm.source import VllmTarget
+from kvscope.app.vllm.window import VllmWindow
 
 
 @pytest.fixture

@@ -8,8 +8,8 @@ import pytest
 from app_fakes import blocks_frame
 from PySide6.QtCore import QSettings
 
-from app.main import STYLE
-from app.main_window import MainWindow, shown
+from kvscope.app.main import STYLE
+from kvscope.app.main_window import MainWindow, shown
 
 SIZES = [(1366, 768), (1600, 900), (1920, 1080)]
 

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from kernels.attention_ref import AttentionMetadata, group_decode_rows, paged_attention_ref
-from kernels.kv_write_ref import write_kv_ref
+from kvscope.kernels.attention_ref import AttentionMetadata, group_decode_rows, paged_attention_ref
+from kvscope.kernels.kv_write_ref import write_kv_ref
 
 
 def build_batch(q_lens, ctx_lens, block_size, heads, kv_heads, head_dim, num_blocks, seed):

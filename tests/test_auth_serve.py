@@ -11,10 +11,10 @@ import pytest
 import zmq
 from server_harness import Server, save_chat_model
 
-from ipc import EngineClient, EngineDead, EngineError, keys
-from ipc.curve import secure_client_socket
-from ipc.endpoints import split_tcp
-from ipc.vllm_kv_subscriber import KVEventSubscriber
+from kvscope.ipc import EngineClient, EngineDead, EngineError, keys
+from kvscope.ipc.curve import secure_client_socket
+from kvscope.ipc.endpoints import split_tcp
+from kvscope.ipc.vllm_kv_subscriber import KVEventSubscriber
 
 REFUSED_WITHIN_S = 3.0  # the heartbeat timeout of the refused clients below
 

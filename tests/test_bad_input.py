@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from tiny_models import save_tiny_model
 
-from engine import LLM, EngineConfig, SamplingParams
+from kvscope.engine import LLM, EngineConfig, SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks import bench
+from kvscope.benchmarks import bench
 from tests.tiny_models import save_tiny_model
 
 

@@ -16,9 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager, chain_hash
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from kvscope.engine.block_manager import BlockManager, chain_hash
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.sequence import Sequence
 
 _ids = itertools.count()
 

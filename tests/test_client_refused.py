@@ -7,7 +7,7 @@ import time
 import pytest
 from curve_stub import CurveHeartbeats
 
-from ipc import EngineClient, EngineDead, keys
+from kvscope.ipc import EngineClient, EngineDead, keys
 
 
 @pytest.fixture

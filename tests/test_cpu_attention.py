@@ -9,9 +9,9 @@ import pytest
 import torch
 from test_attention_ref import build_batch, reference
 
-from kernels import cpu_attention, native
-from kernels.attention_ref import paged_attention_ref
-from kernels.quant import quantize
+from kvscope.kernels import cpu_attention, native
+from kvscope.kernels.attention_ref import paged_attention_ref
+from kvscope.kernels.quant import quantize
 
 pytestmark = pytest.mark.skipif(not native.enabled(), reason=f"{native.ENV}=off")
 
@@ -64,7 +64,7 @@ def test_many_decode_rows_of_mixed_lengths():
 
 
 def test_without_a_compiler_the_engine_keeps_the_torch_kernels(monkeypatch, tmp_path, capfd):
-    from kernels import ops
+    from kvscope.kernels import ops
 
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

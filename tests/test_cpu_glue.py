@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import native
+from kvscope.kernels import native
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler here")
 IO = {torch.float32: 0, torch.bfloat16: 1}

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_kv_write, native
-from kernels.k_balance import KBalanceLayer, balance_k
-from kernels.kv_write_ref import write_kv_ref
-from kernels.rotation import rotate, rotation_matrix
+from kvscope.kernels import cpu_kv_write, native
+from kvscope.kernels.k_balance import KBalanceLayer, balance_k
+from kvscope.kernels.kv_write_ref import write_kv_ref
+from kvscope.kernels.rotation import rotate, rotation_matrix
 
 pytestmark = pytest.mark.skipif(not native.enabled(), reason=f"{native.ENV}=off")
 
@@ -61,7 +61,7 @@ def test_negative_slots_are_skipped():
 def test_the_engine_takes_it_for_int8_pools(monkeypatch):
     """kernels.ops routes an int8 pool's write here on the CPU, and not under
     KVSCOPE_KERNELS=ref."""
-    from kernels import ops
+    from kvscope.kernels import ops
 
     calls = []
     monkeypatch.setattr(cpu_kv_write, "write_int8", lambda *a, **k: calls.append(a))

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_linear, native
+from kvscope.kernels import cpu_linear, native
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler here")
 
@@ -60,7 +60,7 @@ def test_weights_the_kernel_cannot_take_stay_with_torch():
 
 
 def test_a_dense_model_linear_uses_it_unless_the_torch_kernels_are_forced(monkeypatch):
-    from engine.weight_formats import DenseLinear
+    from kvscope.engine.weight_formats import DenseLinear
 
     w = torch.randn(8, 32)
     assert DenseLinear(w).native

@@ -12,10 +12,10 @@ import pytest
 import torch
 from tiny_models import save_tiny_model
 
-from engine import EngineConfig, SamplingParams
-from engine.llm_engine import LLMEngine
-from engine.server.device_monitor import DeviceMonitor, cuda_breakdown, unique_bytes
-from engine.server.nvml import NvmlDevice, open_nvml_device
+from kvscope.engine import EngineConfig, SamplingParams
+from kvscope.engine.llm_engine import LLMEngine
+from kvscope.engine.server.device_monitor import DeviceMonitor, cuda_breakdown, unique_bytes
+from kvscope.engine.server.nvml import NvmlDevice, open_nvml_device
 
 MiB = 2**20
 # Pids above Linux's largest pid_max (2**22) belong to no process here.
@@ -218,7 +218,7 @@ def test_nvml_without_a_driver_is_no_nvml_device():
 
 
 def test_a_device_frame_round_trips_the_wire(model):
-    from ipc import codec
+    from kvscope.ipc import codec
 
     frame = DeviceMonitor(make_engine(model)).sample(seq=7)
     assert codec.decode_state("device", codec.encode(frame)) == frame

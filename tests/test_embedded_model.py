@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, SamplingParams
-from engine.loader import load_model
+from kvscope.engine import LLM, EngineConfig, SamplingParams
+from kvscope.engine.loader import load_model
 
 pytestmark = pytest.mark.slow
 
@@ -108,7 +108,7 @@ def test_chat_applies_the_template(loaded, prompts, hf_outputs):
 
 
 def test_streamed_deltas_add_up_to_the_text(loaded):
-    from engine.llm_engine import LLMEngine
+    from kvscope.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(), loaded)
     # Non-ASCII output exercises the multi-byte handling of incremental detokenisation.

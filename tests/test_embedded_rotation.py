@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, EngineConfig
-from engine.loader import load_model
-from engine.scoring import mean_kl, perplexity, token_log_probs
+from kvscope.engine import LLM, EngineConfig
+from kvscope.engine.loader import load_model
+from kvscope.engine.scoring import mean_kl, perplexity, token_log_probs
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from tiny_models import save_tiny_model
 
-from engine import LLM, EngineConfig, SamplingParams
+from kvscope.engine import LLM, EngineConfig, SamplingParams
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])

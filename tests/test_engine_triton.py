@@ -9,7 +9,7 @@ import pytest
 from test_engine_tiny import random_prompts
 from tiny_models import save_tiny_model
 
-from engine import LLM, EngineConfig, SamplingParams
+from kvscope.engine import LLM, EngineConfig, SamplingParams
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from engine.cli.fragsim import main
-from kvmath.fragsim import random_lengths, simulate
+from kvscope.engine.cli.fragsim import main
+from kvscope.kvmath.fragsim import random_lengths, simulate
 
 
 def test_default_numbers_are_exact():

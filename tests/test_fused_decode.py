@@ -7,8 +7,8 @@ import pytest
 import torch
 from test_weight_formats import tiny  # noqa: F401  (a 4-bit tiny model fixture)
 
-from engine import LLM, EngineConfig, SamplingParams, fused_decode
-from kernels import native
+from kvscope.engine import LLM, EngineConfig, SamplingParams, fused_decode
+from kvscope.kernels import native
 
 pytestmark = pytest.mark.skipif(not native.enabled(), reason=f"{native.ENV}=off")
 

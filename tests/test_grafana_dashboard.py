@@ -12,8 +12,8 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.server.metrics import EngineMetrics, EngineState, FinishedRequest
-from ipc import messages as m
+from kvscope.engine.server.metrics import EngineMetrics, EngineState, FinishedRequest
+from kvscope.ipc import messages as m
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "resources" / "grafana" / "kvscope.json"

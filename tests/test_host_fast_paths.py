@@ -8,12 +8,12 @@ import pytest
 import torch
 from tiny_models import save_tiny_model
 
-from engine import LLM, EngineConfig, SamplingParams
-from engine.block_manager import BlockManager
-from engine.detokenizer import Decoder, decode_delta
-from engine.sampler import greedy_tokens, make_generator, sample, sample_row
-from engine.scheduler import ScheduledSeq, Scheduler
-from engine.sequence import Sequence
+from kvscope.engine import LLM, EngineConfig, SamplingParams
+from kvscope.engine.block_manager import BlockManager
+from kvscope.engine.detokenizer import Decoder, decode_delta
+from kvscope.engine.sampler import greedy_tokens, make_generator, sample, sample_row
+from kvscope.engine.scheduler import ScheduledSeq, Scheduler
+from kvscope.engine.sequence import Sequence
 
 
 @pytest.fixture(scope="module")
@@ -148,8 +148,8 @@ def test_a_decode_registers_its_block_the_step_it_fills():
 
 
 def test_lazy_decode_groups_are_the_reference_grouping():
-    from engine.model_runner import DecodeGroups
-    from kernels.attention_ref import group_decode_rows
+    from kvscope.engine.model_runner import DecodeGroups
+    from kvscope.kernels.attention_ref import group_decode_rows
 
     rng = random.Random(3)
     q_lens = [rng.choice([1, 1, 1, 5]) for _ in range(30)]

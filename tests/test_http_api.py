@@ -14,7 +14,7 @@ import openai
 import pytest
 from server_harness import REPO, Server, save_chat_model, serve_command
 
-from engine import LLM, EngineConfig, SamplingParams
+from kvscope.engine import LLM, EngineConfig, SamplingParams
 
 KEY = "test-key-0123456789"
 ENGINE = {"block_size": 8, "num_kv_blocks": 256, "max_num_seqs": 32,
@@ -44,7 +44,7 @@ def reference(model):
 
 @pytest.fixture(scope="module")
 def url(server):
-    from ipc import EngineClient
+    from kvscope.ipc import EngineClient
 
     with EngineClient(server.command, server.state, timeout=60, heartbeat_timeout=15) as c:
         return c.hello().http_url
@@ -364,7 +364,7 @@ def test_remote_http_needs_a_key_or_allow_remote(tmp_path):
 
 
 def test_http_remote_rule(capsys):
-    from engine.cli.http_options import check_http_remote
+    from kvscope.engine.cli.http_options import check_http_remote
 
     check_http_remote("127.0.0.1", None, False)
     check_http_remote("::1", None, False)
@@ -380,8 +380,8 @@ def test_http_remote_rule(capsys):
 
 
 def test_api_key_comes_from_the_environment(monkeypatch):
-    from engine.cli.http_options import http_address
-    from engine.cli.serve import build_parser
+    from kvscope.engine.cli.http_options import http_address
+    from kvscope.engine.cli.serve import build_parser
 
     monkeypatch.setenv("KVSCOPE_API_KEY", "from-env")
     args = build_parser().parse_args(["--http-port", "0", "--http-host", "0.0.0.0"])

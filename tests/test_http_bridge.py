@@ -9,9 +9,9 @@ import threading
 import httpx
 import pytest
 
-from engine.server.http_api import ApiSettings, build_app
-from engine.server.http_bridge import EngineBridge
-from ipc import messages as m
+from kvscope.engine.server.http_api import ApiSettings, build_app
+from kvscope.engine.server.http_bridge import EngineBridge
+from kvscope.ipc import messages as m
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 
@@ -86,7 +86,7 @@ def test_submit_carries_the_openai_fields_to_the_engine():
 def test_the_api_socket_accepts_connections_before_uvicorn_runs():
     import socket
 
-    from engine.server.http_server import bind, url_of
+    from kvscope.engine.server.http_server import bind, url_of
 
     sock = bind("127.0.0.1", 0)
     try:

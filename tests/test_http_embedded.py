@@ -9,7 +9,7 @@ import openai
 import pytest
 from server_harness import REPO, Server, serve_command
 
-from engine import LLM, EngineConfig, SamplingParams
+from kvscope.engine import LLM, EngineConfig, SamplingParams
 
 pytestmark = pytest.mark.slow
 CHAT = [{"role": "user", "content": "Name three colours of the rainbow."}]
@@ -18,7 +18,7 @@ CHAT = [{"role": "user", "content": "Name three colours of the rainbow."}]
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
     s = Server("default", tmp_path_factory.mktemp("serve") / "serve.log", "--http-port", "0")
-    from ipc import EngineClient
+    from kvscope.ipc import EngineClient
 
     with EngineClient(s.command, s.state, timeout=60, heartbeat_timeout=15) as c:
         yield c.hello().http_url

@@ -9,14 +9,14 @@ import msgspec
 import numpy as np
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
-from engine.server.snapshots import blocks_frame
-from ipc import codec, endpoints
-from ipc import messages as m
-from ipc.client import _prompt_fields, _sampling
+from kvscope.engine.block_manager import BlockManager
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.scheduler import Scheduler
+from kvscope.engine.sequence import Sequence
+from kvscope.engine.server.snapshots import blocks_frame
+from kvscope.ipc import codec, endpoints
+from kvscope.ipc import messages as m
+from kvscope.ipc.client import _prompt_fields, _sampling
 
 
 @pytest.mark.parametrize("cmd", [

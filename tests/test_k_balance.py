@@ -9,13 +9,13 @@ from test_kv_rotation import attend as attend_rotated
 from test_kv_rotation import one_sequence
 from tiny_models import save_tiny_model
 
-from engine import LLM, EngineConfig
-from engine.kv_calibration import calibration_ids, k_balance_from, queries_and_keys
-from engine.scoring import token_log_probs
-from kernels import ops
-from kernels.k_balance import KBalanceLayer, balance_k, balance_q
-from kernels.quant import dequantize
-from kernels.rotation import rotation_matrix
+from kvscope.engine import LLM, EngineConfig
+from kvscope.engine.kv_calibration import calibration_ids, k_balance_from, queries_and_keys
+from kvscope.engine.scoring import token_log_probs
+from kvscope.kernels import ops
+from kvscope.kernels.k_balance import KBalanceLayer, balance_k, balance_q
+from kvscope.kernels.quant import dequantize
+from kvscope.kernels.rotation import rotation_matrix
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +135,7 @@ def test_calibration_keys_are_the_keys_the_model_writes(path):
 
 
 def test_calibration_is_computed_once_and_survives_reconfigure(path, monkeypatch):
-    from engine import llm_engine
+    from kvscope.engine import llm_engine
 
     calls = []
     real = llm_engine.calibrate_k_balance
@@ -157,7 +157,7 @@ def test_calibration_is_computed_once_and_survives_reconfigure(path, monkeypatch
 
 
 def test_a_calibrated_pool_needs_its_balance(path):
-    from engine.kv_cache import KVPool
+    from kvscope.engine.kv_cache import KVPool
 
     llm = LLM(EngineConfig(model=str(path), kv_dtype="int8", num_kv_blocks=8))
     with pytest.raises(ValueError, match="calibrated"):

@@ -6,7 +6,7 @@ import stat
 import pytest
 import zmq.auth
 
-from ipc import keys
+from kvscope.ipc import keys
 from kvscope.main import main as kvscope
 
 
@@ -119,7 +119,7 @@ def test_missing_or_readable_secret_keys_are_named_with_the_fix(home):
 
 
 def test_serve_off_loopback_needs_server_keys_and_refuses_contradictions(home, capsys):
-    from engine.cli import serve as serve_cli
+    from kvscope.engine.cli import serve as serve_cli
 
     assert serve_cli.main(["--host", "0.0.0.0", "--port", "0", "--allow-remote"]) == 2
     err = capsys.readouterr().err
@@ -133,7 +133,7 @@ def test_serve_off_loopback_needs_server_keys_and_refuses_contradictions(home, c
 def test_curve_is_the_default_off_loopback_and_insecure_warns(capsys):
     from argparse import Namespace
 
-    from engine.cli.auth import uses_curve, warn_plain_http
+    from kvscope.engine.cli.auth import uses_curve, warn_plain_http
 
     def args(auth="auto", insecure=False):
         return Namespace(auth=auth, insecure=insecure)

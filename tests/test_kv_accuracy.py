@@ -1,7 +1,7 @@
 """kv-accuracy's inputs and rows: the prompt file, the rows per dtype, the agreement measures."""
 from __future__ import annotations
 
-from benchmarks import kv_accuracy
+from kvscope.benchmarks import kv_accuracy
 
 
 def test_the_prompt_file_holds_forty_distinct_prompts(tmp_path):

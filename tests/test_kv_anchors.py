@@ -9,11 +9,11 @@ import pytest
 import torch
 from test_attention_ref import build_batch, reference
 
-from engine import LLM, EngineConfig, SamplingParams
-from engine.kv_anchors import AnchorTable
-from kernels import cpu_attention, native
-from kernels.attention_ref import paged_attention_ref
-from kernels.quant import dequantize, quantize
+from kvscope.engine import LLM, EngineConfig, SamplingParams
+from kvscope.engine.kv_anchors import AnchorTable
+from kvscope.kernels import cpu_attention, native
+from kvscope.kernels.attention_ref import paged_attention_ref
+from kvscope.kernels.quant import dequantize, quantize
 
 A, B, C = (1, 2, 3, 4), (5, 6, 7, 8), (9, 9, 9, 9)
 
@@ -136,7 +136,7 @@ def test_cpu_kernel_other_head_dims_and_bfloat16_rows():
 def engines():
     """The embedded model with int8 KV, with and without anchors, and float32 KV rotated and
     balanced the same way (the exact rows the anchors should hold)."""
-    from engine.loader import load_model
+    from kvscope.engine.loader import load_model
 
     loaded = load_model("default", torch.float32)
 
@@ -185,7 +185,7 @@ def test_anchor_rows_are_the_exact_rotated_and_balanced_rows(engines):
 def test_anchors_bring_int8_closer_to_float32(engines):
     """Teacher-forced next-token distributions along float32 KV's greedy replies: int8 with
     anchors is nearer (mean KL) than int8 without, on every prompt."""
-    from engine.scoring import mean_kl, token_log_probs
+    from kvscope.engine.scoring import mean_kl, token_log_probs
 
     ref_llm = engines["exact"]
     for q in PROMPTS:

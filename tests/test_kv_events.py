@@ -9,20 +9,20 @@ import msgspec
 import pytest
 import zmq
 
-from engine.block_manager import BlockManager
-from engine.cache_events import BlockCached, BlockUncached
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
-from engine.server import kv_events
-from engine.server.kv_events import (
+from kvscope.engine.block_manager import BlockManager
+from kvscope.engine.cache_events import BlockCached, BlockUncached
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.sequence import Sequence
+from kvscope.engine.server import kv_events
+from kvscope.engine.server.kv_events import (
     HASH_MASK,
     CacheEventFeed,
     KVEventPublisher,
     KVEventsConfig,
     to_vllm_events,
 )
-from ipc import vllm_kv_events as v
-from ipc.vllm_kv_subscriber import KVEventSubscriber
+from kvscope.ipc import vllm_kv_events as v
+from kvscope.ipc.vllm_kv_subscriber import KVEventSubscriber
 
 
 # -- vLLM's decoder side, written from vllm/distributed/kv_events.py (main, = v0.28.0) --------
@@ -381,7 +381,7 @@ def test_a_slow_subscriber_loses_pub_messages_and_replays_them():
     (["--kv-events", "tcp://127.0.0.1:0", "--kv-events-buffer-steps", "0"], "must be >= 1"),
 ])
 def test_bad_kv_events_options_are_refused_before_loading(argv, message, capsys):
-    from engine.cli.serve import main
+    from kvscope.engine.cli.serve import main
 
     assert main(["--model", "/nonexistent", *argv]) == 2
     assert message in capsys.readouterr().err

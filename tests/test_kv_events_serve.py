@@ -9,8 +9,8 @@ import urllib.request
 import pytest
 from server_harness import Server, save_chat_model
 
-from ipc import vllm_kv_events as v
-from ipc.vllm_kv_subscriber import KVEventSubscriber
+from kvscope.ipc import vllm_kv_events as v
+from kvscope.ipc.vllm_kv_subscriber import KVEventSubscriber
 
 ARGS = ["--block-size", "4", "--num-kv-blocks", "64", "--metrics-port", "0",
         "--metrics-prefix", "vllm", "--kv-events", "tcp://127.0.0.1:0",
@@ -88,7 +88,7 @@ def test_metrics_carry_vllms_prefix(client, server):
 
 def test_the_vllm_window_source_reads_kvscope_itself(server, client):
     """`kvscope --attach-vllm` pointed at kvscope serve --metrics-prefix vllm --kv-events."""
-    from app.vllm.source import VllmSource, VllmTarget
+    from kvscope.app.vllm.source import VllmSource, VllmTarget
 
     hello = client.hello(timeout=60)
     url, block_size = hello.metrics_url.removesuffix("/metrics"), hello.config["block_size"]

@@ -10,10 +10,10 @@ import torch
 from test_engine_tiny import random_prompts
 from tiny_models import save_tiny_model
 
-from engine import LLM, EngineConfig, SamplingParams
-from engine.scoring import mean_kl, token_log_probs
-from kernels.quant import dequantize, quantize
-from kvmath.kv_size import kv_size
+from kvscope.engine import LLM, EngineConfig, SamplingParams
+from kvscope.engine.scoring import mean_kl, token_log_probs
+from kvscope.kernels.quant import dequantize, quantize
+from kvscope.kvmath.kv_size import kv_size
 
 QWEN2_7B = {"num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
             "hidden_size": 3584}

@@ -7,11 +7,11 @@ from test_engine_tiny import random_prompts
 from test_reconfigure import run
 from tiny_models import save_tiny_model
 
-from engine import LLM, EngineConfig, SamplingParams
-from kernels import ops
-from kernels.attention_ref import AttentionMetadata, group_decode_rows
-from kernels.quant import dequantize
-from kernels.rotation import (
+from kvscope.engine import LLM, EngineConfig, SamplingParams
+from kvscope.kernels import ops
+from kvscope.kernels.attention_ref import AttentionMetadata, group_decode_rows
+from kvscope.kernels.quant import dequantize
+from kvscope.kernels.rotation import (
     hadamard,
     matrix_name,
     random_orthogonal,

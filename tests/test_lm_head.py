@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.lm_head import RESCORE_TOP, RescoredHead
-from engine.model import make_head
-from engine.weight_formats import DenseLinear, Int8Linear
+from kvscope.engine.lm_head import RESCORE_TOP, RescoredHead
+from kvscope.engine.model import make_head
+from kvscope.engine.weight_formats import DenseLinear, Int8Linear
 
 
 def table_and_hidden(vocab: int = 4096, hidden: int = 128, rows: int = 300, seed: int = 0):

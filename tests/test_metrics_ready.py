@@ -7,7 +7,7 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 from server_harness import Server, save_chat_model
 
-from ipc import EngineClient
+from kvscope.ipc import EngineClient
 
 # The families that used to appear only after the engine thread's first refresh.
 STATE_FAMILIES = ("kvscope:num_requests_running", "kvscope:num_requests_waiting",

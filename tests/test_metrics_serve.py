@@ -178,7 +178,7 @@ def test_vllm_grafana_dashboard_series_are_all_there(client):
 
 
 def test_metrics_bind_is_loopback_unless_allowed(capsys):
-    from engine.cli import serve as serve_cli
+    from kvscope.engine.cli import serve as serve_cli
 
     assert serve_cli.main(["--port", "0", "--metrics-port", "0",
                            "--metrics-host", "0.0.0.0"]) == 2

@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine import model_files
-from engine.model_files import (
+from kvscope.engine import model_files
+from kvscope.engine.model_files import (
     COMPLETE_MARKER,
     cache_root,
     load_hf_config,

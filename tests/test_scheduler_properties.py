@@ -25,10 +25,10 @@ from test_block_manager import check_invariants as check_pool
 
 prefix_keys = ShadowKV.prefix_keys
 
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from kvscope.engine.block_manager import BlockManager
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.scheduler import Scheduler
+from kvscope.engine.sequence import Sequence, SequenceStatus
 
 MAX_DRAIN_STEPS = 10_000
 _ids = itertools.count()

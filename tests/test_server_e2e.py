@@ -12,9 +12,9 @@ import pytest
 import zmq
 from server_harness import Server, save_chat_model
 
-from engine import LLM, EngineConfig, SamplingParams
-from ipc import EngineClient, EngineDead, EngineError
-from ipc import messages as m
+from kvscope.engine import LLM, EngineConfig, SamplingParams
+from kvscope.ipc import EngineClient, EngineDead, EngineError
+from kvscope.ipc import messages as m
 
 ENGINE = {"block_size": 8, "num_kv_blocks": 256, "max_num_seqs": 16,
           "max_num_batched_tokens": 128}
@@ -258,7 +258,7 @@ def test_kill_9_is_noticed_within_3_seconds(servers):
 
 
 def test_remote_bind_needs_allow_remote(capsys):
-    from engine.cli import serve as serve_cli
+    from kvscope.engine.cli import serve as serve_cli
 
     assert serve_cli.main(["--host", "0.0.0.0", "--port", "0"]) == 2
     assert "--allow-remote" in capsys.readouterr().err

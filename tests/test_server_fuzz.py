@@ -11,8 +11,8 @@ import pytest
 import zmq
 from server_harness import Server, save_chat_model
 
-from ipc import EngineClient, EngineError, codec
-from ipc import messages as m
+from kvscope.ipc import EngineClient, EngineError, codec
+from kvscope.ipc import messages as m
 
 POOL_BLOCKS = 48  # 192 slots of 4: the storm preempts
 ARGS = ["--block-size", "4", "--num-kv-blocks", str(POOL_BLOCKS), "--max-num-seqs", "8",

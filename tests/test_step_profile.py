@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks import step_profile
+from kvscope.benchmarks import step_profile
 from tests.tiny_models import save_tiny_model
 
 
@@ -30,12 +30,11 @@ def test_shares_of_a_decode_step(tiny, capsys, dtype):
     assert r["attention_ms"] + r["kv_write_ms"] + r["matmul_ms"] < r["step_ms"]
     assert r["attention_share"] == pytest.approx(r["attention_ms"] / r["step_ms"])
     # The wrappers on engine.model's kernels do not outlive the run.
-    import engine.fused_decode
-    import engine.model
-    from kernels import cpu_linear, ops
+    from kvscope.engine import fused_decode, model
+    from kvscope.kernels import cpu_linear, ops
 
-    assert engine.model.paged_attention is ops.paged_attention
-    assert engine.model.write_kv is ops.write_kv
-    assert engine.fused_decode.dense.__module__ == "engine.fused_decode"
-    assert engine.fused_decode.attention.__module__ == "engine.fused_decode"
-    assert cpu_linear.linear.__module__ == "kernels.cpu_linear"
+    assert model.paged_attention is ops.paged_attention
+    assert model.write_kv is ops.write_kv
+    assert fused_decode.dense.__module__ == "kvscope.engine.fused_decode"
+    assert fused_decode.attention.__module__ == "kvscope.engine.fused_decode"
+    assert cpu_linear.linear.__module__ == "kvscope.kernels.cpu_linear"

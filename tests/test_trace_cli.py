@@ -8,10 +8,10 @@ import pytest
 from test_trace_record import record
 from tiny_models import save_tiny_model
 
-from engine.cli.fragsim import main as fragsim
-from engine.cli.trace import main as trace_cli
-from engine.traces.reader import read_trace
-from engine.traces.schema import Arrival, Step
+from kvscope.engine.cli.fragsim import main as fragsim
+from kvscope.engine.cli.trace import main as trace_cli
+from kvscope.engine.traces.reader import read_trace
+from kvscope.engine.traces.schema import Arrival, Step
 
 
 @pytest.fixture(scope="module")

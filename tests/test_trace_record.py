@@ -7,12 +7,12 @@ import pytest
 import torch
 from tiny_models import save_tiny_model
 
-from engine import EngineConfig, SamplingParams
-from engine.cli.main import main as kvscope
-from engine.llm_engine import LLMEngine
-from engine.traces.reader import outputs_of, read_trace
-from engine.traces.recorder import start_trace
-from engine.traces.schema import (
+from kvscope.engine import EngineConfig, SamplingParams
+from kvscope.engine.cli.main import main as kvscope
+from kvscope.engine.llm_engine import LLMEngine
+from kvscope.engine.traces.reader import outputs_of, read_trace
+from kvscope.engine.traces.recorder import start_trace
+from kvscope.engine.traces.schema import (
     Abort,
     Alloc,
     Arrival,
@@ -23,7 +23,7 @@ from engine.traces.schema import (
     Token,
     TraceError,
 )
-from engine.traces.workload import request_lengths
+from kvscope.engine.traces.workload import request_lengths
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +180,7 @@ def test_generate_trace_option(model, tmp_path, capsys):
 
 
 def test_reconfigure_mid_session_frees_blocks_and_is_recorded(model, tmp_path):
-    from engine.traces.schema import Reconfigure
+    from kvscope.engine.traces.schema import Reconfigure
 
     path = tmp_path / "t.jsonl"
     engine = LLMEngine(EngineConfig(model=str(model), block_size=4, num_kv_blocks=64))

@@ -6,8 +6,8 @@ from test_trace_cli import run_json
 from test_trace_record import record
 from tiny_models import save_tiny_model
 
-from engine.traces.reader import read_trace
-from engine.traces.schema import Reconfigure
+from kvscope.engine.traces.reader import read_trace
+from kvscope.engine.traces.schema import Reconfigure
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +51,8 @@ def test_float32_replay_with_rotation_reproduces_the_outputs(model, recorded, tm
 
 
 def test_a_live_rotation_change_is_in_the_trace(model, tmp_path):
-    from engine import LLM, EngineConfig
-    from engine.traces.recorder import start_trace
+    from kvscope.engine import LLM, EngineConfig
+    from kvscope.engine.traces.recorder import start_trace
 
     llm = LLM(EngineConfig(model=str(model), kv_dtype="int8", num_kv_blocks=32))
     path = tmp_path / "t.jsonl"

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 from server_harness import Server, save_chat_model
 
-from engine.traces.reader import outputs_of, read_trace
-from engine.traces.schema import Arrival, Finish
-from ipc import EngineClient, EngineError
+from kvscope.engine.traces.reader import outputs_of, read_trace
+from kvscope.engine.traces.schema import Arrival, Finish
+from kvscope.ipc import EngineClient, EngineError
 
 
 def test_serve_records_a_trace_and_starts_and_stops_on_command(tmp_path):
@@ -51,7 +51,7 @@ def test_kill_9_mid_generation_keeps_every_flushed_line(tmp_path):
     import signal
     import time
 
-    from engine.traces.schema import Step, Token
+    from kvscope.engine.traces.schema import Step, Token
 
     model = save_chat_model(tmp_path / "chat", seed=2)
     path = tmp_path / "killed.jsonl"

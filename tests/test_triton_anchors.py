@@ -16,10 +16,10 @@ from test_triton_kernels import (  # sets TRITON_INTERPRET=1 before triton is im
     where,
 )
 
-from kernels import ops
-from kernels.k_balance import KBalanceLayer
-from kernels.rotation import rotation_matrix
-from kernels.triton_attention import paged_attention_triton
+from kvscope.kernels import ops
+from kvscope.kernels.k_balance import KBalanceLayer
+from kvscope.kernels.rotation import rotation_matrix
+from kvscope.kernels.triton_attention import paged_attention_triton
 
 
 def with_anchors(meta, kv_heads, head_dim, n, seed):

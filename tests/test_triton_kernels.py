@@ -37,20 +37,20 @@ import pytest
 import torch
 
 # A kernel module imported earlier in this process without the interpreter must be rebuilt.
-for _name in ("kernels.triton_kv_write", "kernels.triton_attention"):
+for _name in ("kvscope.kernels.triton_kv_write", "kvscope.kernels.triton_attention"):
     if _name in sys.modules:
         importlib.reload(sys.modules[_name])
 
-from kernels import ops, triton_attention
-from kernels.attention_ref import (
+from kvscope.kernels import ops, triton_attention
+from kvscope.kernels.attention_ref import (
     AttentionMetadata,
     group_decode_rows,
     paged_attention_ref,
 )
-from kernels.kv_write_ref import write_kv_ref
-from kernels.quant import is_quantized
-from kernels.triton_attention import paged_attention_triton
-from kernels.triton_kv_write import write_kv_triton
+from kvscope.kernels.kv_write_ref import write_kv_ref
+from kvscope.kernels.quant import is_quantized
+from kvscope.kernels.triton_attention import paged_attention_triton
+from kvscope.kernels.triton_kv_write import write_kv_triton
 
 SEED = int(os.environ.get("KVSCOPE_TEST_SEED", random.SystemRandom().randrange(2**31)))
 print(f"test_triton_kernels: seed {SEED} (KVSCOPE_TEST_SEED={SEED} replays it)")

@@ -25,12 +25,12 @@ from test_triton_kernels import (  # sets TRITON_INTERPRET=1 before triton is im
     where,
 )
 
-from kernels import ops
-from kernels.attention_ref import AttentionMetadata, group_decode_rows
-from kernels.quant import dequantize, is_quantized
-from kernels.rotation import rotation_matrix
-from kernels.triton_attention import paged_attention_triton
-from kernels.triton_kv_write import write_kv_triton
+from kvscope.kernels import ops
+from kvscope.kernels.attention_ref import AttentionMetadata, group_decode_rows
+from kvscope.kernels.quant import dequantize, is_quantized
+from kvscope.kernels.rotation import rotation_matrix
+from kvscope.kernels.triton_attention import paged_attention_triton
+from kvscope.kernels.triton_kv_write import write_kv_triton
 
 
 def reference_write(key, value, pool, slots, r, monkeypatch):

@@ -9,12 +9,12 @@ import msgspec
 import pytest
 from fake_vllm import METRICS, REPLY, SCRIPT, FakeKvEvents, FakeVllmHttp, h
 
-from app.vllm import prometheus_text
-from app.vllm.openai_chat import OpenAIChat, OpenAIError
-from app.vllm.prefix_cache import PrefixCache
-from app.vllm.server_sample import quantile, sample
-from app.vllm.source import VllmSource, VllmTarget
-from ipc import vllm_kv_events as v
+from kvscope.app.vllm import prometheus_text
+from kvscope.app.vllm.openai_chat import OpenAIChat, OpenAIError
+from kvscope.app.vllm.prefix_cache import PrefixCache
+from kvscope.app.vllm.server_sample import quantile, sample
+from kvscope.app.vllm.source import VllmSource, VllmTarget
+from kvscope.ipc import vllm_kv_events as v
 
 
 def test_two_recorded_scrapes_make_a_sample():

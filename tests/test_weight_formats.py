@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, SamplingParams
-from engine.weight_formats import (
+from kvscope.engine import LLM, EngineConfig, SamplingParams
+from kvscope.engine.weight_formats import (
     DenseLinear,
     Int4Linear,
     Int8Linear,
@@ -133,7 +133,7 @@ def test_engine_in_a_quantized_format_tracks_its_dense_self(tiny, weights):
     """Next-token distributions stay close to the dense model's: on 4-bit weights both
     formats hold the weights exactly but for bfloat16 scales, and round the activations to
     bfloat16 at each matmul, which is what the KL bound allows for."""
-    from engine.scoring import token_log_probs
+    from kvscope.engine.scoring import token_log_probs
 
     ids = [int(t) for t in torch.randint(0, 250, (40,), generator=torch.Generator()
                                          .manual_seed(8))]
@@ -165,7 +165,7 @@ def test_quantized_weights_take_their_real_bytes(tiny):
 
 def test_device_panel_counts_the_quantized_bytes(tiny):
     """The device panel's weights figure (and so 'what fits') is what int4 really holds."""
-    from engine.server.device_monitor import DeviceMonitor
+    from kvscope.engine.server.device_monitor import DeviceMonitor
 
     dense, int4 = make_llm(tiny, "dense").engine, make_llm(tiny, "int4").engine
     dense_bytes = DeviceMonitor(dense).sample().weights_bytes

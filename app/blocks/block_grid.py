@@ -5,8 +5,14 @@ import math
 
 import numpy as np
 
-from app import colors
-from ipc.messages import BLOCK_CACHED, BLOCK_FREE, BLOCK_HAS_HASH, BLOCK_STATE_MASK, BLOCK_USED
+from kvscope.app import colors
+from kvscope.ipc.messages import (
+    BLOCK_CACHED,
+    BLOCK_FREE,
+    BLOCK_HAS_HASH,
+    BLOCK_STATE_MASK,
+    BLOCK_USED,
+)
 
 STATE_NAMES = {BLOCK_FREE: "free", BLOCK_CACHED: "cached (free, reusable prefix)",
                BLOCK_USED: "in use"}

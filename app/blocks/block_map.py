@@ -25,8 +25,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app import colors
-from app.blocks.block_grid import (
+from kvscope.app import colors
+from kvscope.app.blocks.block_grid import (
     SlotCache,
     block_indices,
     cell_pixels,
@@ -36,9 +36,9 @@ from app.blocks.block_grid import (
     request_table,
     source_note,
 )
-from app.blocks.block_table import BlockTableModel
-from app.blocks.pixel_image import PixelImage, rgb32_table
-from app.fmt import human_bytes
+from kvscope.app.blocks.block_table import BlockTableModel
+from kvscope.app.blocks.pixel_image import PixelImage, rgb32_table
+from kvscope.app.fmt import human_bytes
 
 GRID_LINES_MIN_PX = 6  # cell borders only where a cell is this big on screen
 SIDE_WIDTH = 220

@@ -10,9 +10,9 @@ import math
 import random
 from dataclasses import dataclass
 
-from kvmath import kv_size
-from kvmath.fragsim import FragResult, simulate
-from kvmath.kv_size import (  # noqa: F401 - ModelShape and the rest are the panel's too
+from kvscope.kvmath import kv_size
+from kvscope.kvmath.fragsim import FragResult, simulate
+from kvscope.kvmath.kv_size import (  # noqa: F401 - ModelShape and the rest are the panel's too
     KV_DTYPES,
     ModelShape,
     bytes_per_token,

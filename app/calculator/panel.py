@@ -20,9 +20,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.calculator import accuracy, kv_math
-from app.calculator.what_fits import WhatFitsBox
-from app.fmt import human_bytes
+from kvscope.app.calculator import accuracy, kv_math
+from kvscope.app.calculator.what_fits import WhatFitsBox
+from kvscope.app.fmt import human_bytes
 
 RUNNING = "Running engine"
 FROM_FILE = "config.json…"

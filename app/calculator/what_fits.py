@@ -21,8 +21,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.calculator import accuracy, kv_math
-from app.fmt import human_bytes
+from kvscope.app.calculator import accuracy, kv_math
+from kvscope.app.fmt import human_bytes
 
 THIS_DEVICE = "this device"
 MANUAL = "manual"

@@ -26,8 +26,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app import colors
-from app.chat.turn import Turn
+from kvscope.app import colors
+from kvscope.app.chat.turn import Turn
 
 
 class ChatInput(QPlainTextEdit):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from app.fmt import rate, seconds
+from kvscope.app.fmt import rate, seconds
 
 SENDING, QUEUED, PREFILL, DECODING, PREEMPTED = "sending", "queued", "prefill", "decoding", \
     "preempted"

@@ -23,7 +23,7 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
 )
 
-from app.controls.load_stats import LoadStats, gamma_gap
+from kvscope.app.controls.load_stats import LoadStats, gamma_gap
 
 WORDS = ["the", "cache", "keeps", "every", "layer", "key", "and", "value", "so", "each",
          "decode", "step", "only", "computes", "one", "new", "token", "while", "blocks", "of",

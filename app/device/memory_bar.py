@@ -9,8 +9,8 @@ from PySide6.QtCore import QEvent, QRect, Qt
 from PySide6.QtGui import QColor, QPainter, QPen
 from PySide6.QtWidgets import QGridLayout, QLabel, QSizePolicy, QToolTip, QWidget
 
-from app.device.memory_math import COLORS, NAMES, Segment, bar_edges
-from app.fmt import human_bytes
+from kvscope.app.device.memory_math import COLORS, NAMES, Segment, bar_edges
+from kvscope.app.fmt import human_bytes
 
 BAR_HEIGHT = 22
 BACKGROUND = QColor("#16181d")  # bytes no meter accounted for stay this colour

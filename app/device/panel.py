@@ -15,10 +15,10 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.device import text as device_text
-from app.device.memory_bar import MemoryBar, MemoryLegend
-from app.device.memory_math import memory_segments
-from app.device.plots import DevicePlots
+from kvscope.app.device import text as device_text
+from kvscope.app.device.memory_bar import MemoryBar, MemoryLegend
+from kvscope.app.device.memory_math import memory_segments
+from kvscope.app.device.plots import DevicePlots
 
 NO_DATA = "no device data yet"
 MIN_WIDTH = 300  # the two-column legend (8.5 pt) and the number grid (9 pt) still fit

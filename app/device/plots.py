@@ -12,8 +12,8 @@ import pyqtgraph as pg
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
-from app.plots.series import Series
-from app.plots.time_window import WINDOWS, nice_ceiling, x_range
+from kvscope.app.plots.series import Series
+from kvscope.app.plots.time_window import WINDOWS, nice_ceiling, x_range
 
 GIB = float(2**30)
 # (plot, title, [(curve, legend name, colour)])

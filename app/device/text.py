@@ -4,7 +4,7 @@ A value the engine could not measure (None) reads "—", never 0. GPU-only value
 (None) on a CPU device that has none of their fields."""
 from __future__ import annotations
 
-from app.fmt import human_bytes
+from kvscope.app.fmt import human_bytes
 
 DASH = "—"
 # key -> (label, tooltip)

@@ -17,8 +17,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.plots.series import Series
-from app.plots.time_window import WINDOWS, nice_ceiling, x_range
+from kvscope.app.plots.series import Series
+from kvscope.app.plots.time_window import WINDOWS, nice_ceiling, x_range
 
 PEN = {"prefill": "#f0a35e", "decode": "#5ec8f0", "budget": "#e06c75", "running": "#98c379",
        "waiting": "#e5c07b", "preempted": "#e06c75", "kv": "#c678dd", "prompt": "#f0a35e",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from PySide6.QtWidgets import QGroupBox, QVBoxLayout, QWidget
 
-from app.traces.record import TraceRecordPanel
-from app.traces.replay import TraceReplayPanel
+from kvscope.app.traces.record import TraceRecordPanel
+from kvscope.app.traces.replay import TraceReplayPanel
 
 
 def engine_args_from(values: dict, config: dict) -> list[str]:

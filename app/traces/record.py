@@ -17,7 +17,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.fmt import human_bytes
+from kvscope.app.fmt import human_bytes
 
 SIZE_INTERVAL_MS = 1000
 

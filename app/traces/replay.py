@@ -20,9 +20,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.engine_process import engine_qprocess
-from app.traces.file import TraceFileError, read_series
-from app.traces.plot import TraceOverlayPlot
+from kvscope.app.engine_process import engine_qprocess
+from kvscope.app.traces.file import TraceFileError, read_series
+from kvscope.app.traces.plot import TraceOverlayPlot
 
 # How the trace header's KV rotation reads after the dtype (traces before rotation: none).
 ROTATION_SUFFIX = {"hadamard": " + rotated", "calibrated": " + rotated, K-balanced"}

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from PySide6.QtGui import QTextCursor
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QVBoxLayout, QWidget
 
-from app.vllm.openai_chat import OpenAIChat, OpenAIError
+from kvscope.app.vllm.openai_chat import OpenAIChat, OpenAIError
 
 
 @dataclass

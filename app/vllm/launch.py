@@ -22,8 +22,8 @@ def add_vllm_options(p: argparse.ArgumentParser) -> None:
 def run(args, app) -> int:
     from PySide6.QtCore import QTimer
 
-    from app.vllm.source import VllmTarget
-    from app.vllm.window import VllmWindow
+    from kvscope.app.vllm.source import VllmTarget
+    from kvscope.app.vllm.window import VllmWindow
 
     url = args.attach_vllm
     if not url.startswith(("http://", "https://")):

@@ -10,8 +10,8 @@ from PySide6.QtCore import QRectF, Qt
 from PySide6.QtGui import QColor, QImage, QPainter
 from PySide6.QtWidgets import QSizePolicy, QWidget
 
-from app import colors
-from app.vllm.prefix_cache import CacheSnapshot
+from kvscope.app import colors
+from kvscope.app.vllm.prefix_cache import CacheSnapshot
 
 # Chains in golden-ratio hues, so neighbours in the list differ clearly.
 PALETTE = np.array([QColor.fromHsvF((0.13 + 0.618034 * i) % 1.0, 0.65, 0.95).getRgb()[:3]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from app.vllm.server_sample import ServerSample
+from kvscope.app.vllm.server_sample import ServerSample
 
 
 @dataclass(frozen=True)

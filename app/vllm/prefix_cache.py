@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ipc import vllm_kv_events as v
+from kvscope.ipc import vllm_kv_events as v
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from app.vllm.prometheus_text import Samples, buckets, label, labels_of, total
+from kvscope.app.vllm.prometheus_text import Samples, buckets, label, labels_of, total
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,10 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-from app.vllm import prometheus_text
-from app.vllm.prefix_cache import CacheSnapshot, PrefixCache
-from app.vllm.server_sample import ServerSample, sample
-from ipc.vllm_kv_subscriber import KVEventSubscriber, SubscriberCounters
+from kvscope.app.vllm import prometheus_text
+from kvscope.app.vllm.prefix_cache import CacheSnapshot, PrefixCache
+from kvscope.app.vllm.server_sample import ServerSample, sample
+from kvscope.ipc.vllm_kv_subscriber import KVEventSubscriber, SubscriberCounters
 
 SCRAPE_INTERVAL_S = 1.0
 SNAPSHOT_INTERVAL_S = 0.2  # the map is copied for the window at most this often

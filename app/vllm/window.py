@@ -9,14 +9,14 @@ from __future__ import annotations
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import QLabel, QSplitter, QVBoxLayout, QWidget
 
-from app.plots.batch_plots import BatchPlots
-from app.vllm.chat_box import ChatBox
-from app.vllm.map_view import PrefixMapView
-from app.vllm.openai_chat import OpenAIChat
-from app.vllm.plot_feed import PlotFeed
-from app.vllm.prefix_cache import CacheSnapshot
-from app.vllm.read_only_controls import ReadOnlyControls
-from app.vllm.source import SourceUpdate, VllmSource, VllmTarget
+from kvscope.app.plots.batch_plots import BatchPlots
+from kvscope.app.vllm.chat_box import ChatBox
+from kvscope.app.vllm.map_view import PrefixMapView
+from kvscope.app.vllm.openai_chat import OpenAIChat
+from kvscope.app.vllm.plot_feed import PlotFeed
+from kvscope.app.vllm.prefix_cache import CacheSnapshot
+from kvscope.app.vllm.read_only_controls import ReadOnlyControls
+from kvscope.app.vllm.source import SourceUpdate, VllmSource, VllmTarget
 
 REFRESH_MS = 33
 KNOWN = ("Known from a vLLM server: queues, KV usage, preemptions, throughput, TTFT/ITL and "

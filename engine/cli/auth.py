@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.server.trace_paths import prepare_trace_dir
-from ipc.curve import ServerAuth
-from ipc.endpoints import is_local
-from ipc.keys import allowed_keys, keys_dir, load_server_keys
+from kvscope.engine.server.trace_paths import prepare_trace_dir
+from kvscope.ipc.curve import ServerAuth
+from kvscope.ipc.endpoints import is_local
+from kvscope.ipc.keys import allowed_keys, keys_dir, load_server_keys
 
 
 def add_auth_options(p: argparse.ArgumentParser) -> None:

@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from kvmath.fragsim import random_lengths, simulate
+from kvscope.kvmath.fragsim import random_lengths, simulate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,8 +26,8 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.trace:
-            from engine.traces.schema import TraceError
-            from engine.traces.workload import request_lengths
+            from kvscope.engine.traces.schema import TraceError
+            from kvscope.engine.traces.workload import request_lengths
 
             try:
                 lengths = request_lengths(args.trace)

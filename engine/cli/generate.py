@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from engine.cli.options import add_engine_options, engine_config_from_args
+from kvscope.engine.cli.options import add_engine_options, engine_config_from_args
 
 
 def add_parser(sub) -> None:
@@ -27,10 +27,10 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine import SamplingParams
-    from engine.chat_template import chat_prompt_ids
-    from engine.llm_engine import LLMEngine
-    from engine.traces.recorder import start_trace
+    from kvscope.engine import SamplingParams
+    from kvscope.engine.chat_template import chat_prompt_ids
+    from kvscope.engine.llm_engine import LLMEngine
+    from kvscope.engine.traces.recorder import start_trace
 
     engine = None
     try:

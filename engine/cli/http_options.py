@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from ipc import endpoints
+from kvscope.ipc import endpoints
 
 API_KEY_ENV = "KVSCOPE_API_KEY"
 
@@ -58,10 +58,10 @@ def _warn(text: str) -> None:
 
 def start_http(args, address: tuple[str, int], server, metrics):
     """The API's HttpServer for an EngineServer (started; its URL is in hello)."""
-    from engine.server.http_api import ApiSettings
-    from engine.server.http_server import HttpServer
-    from engine.server.metrics import PREFIX, model_label
-    from engine.server.metrics_prefix import prefixed
+    from kvscope.engine.server.http_api import ApiSettings
+    from kvscope.engine.server.http_server import HttpServer
+    from kvscope.engine.server.metrics import PREFIX, model_label
+    from kvscope.engine.server.metrics_prefix import prefixed
 
     model = server.engine.config.model
     name = args.served_model_name or model_label(model)

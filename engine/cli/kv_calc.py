@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from kvmath.kv_size import human_bytes, kv_size, load_config
+from kvscope.kvmath.kv_size import human_bytes, kv_size, load_config
 
 
 def add_parser(sub) -> None:

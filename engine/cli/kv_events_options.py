@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from ipc import endpoints
+from kvscope.ipc import endpoints
 
 
 def add_kv_events_options(p: argparse.ArgumentParser) -> None:
@@ -44,7 +44,7 @@ def kv_events_config(args):
     """The publisher settings, or None without --kv-events."""
     if args.kv_events is None:
         return None
-    from engine.server.kv_events import KVEventsConfig
+    from kvscope.engine.server.kv_events import KVEventsConfig
 
     return KVEventsConfig(args.kv_events, args.kv_events_replay, args.kv_events_topic,
                           args.kv_events_buffer_steps)

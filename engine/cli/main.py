@@ -6,11 +6,11 @@ import argparse
 import importlib
 import sys
 
-from engine.cli import generate, kv_calc
+from kvscope.engine.cli import generate, kv_calc
 
 # argparse REMAINDER would not pass options that start with "--" through, so these get argv.
-DELEGATED = {"serve": "engine.cli.serve", "trace": "engine.cli.trace",
-             "fragsim": "engine.cli.fragsim"}
+DELEGATED = {"serve": "kvscope.engine.cli.serve", "trace": "kvscope.engine.cli.trace",
+             "fragsim": "kvscope.engine.cli.fragsim"}
 # Run by the launcher (kvscope/main.py); listed here so that --help names every command.
 ELSEWHERE = {"bench": "engine vs Hugging Face generate on a mixed workload",
              "kv-accuracy": "accuracy of each KV dtype against float32 KV",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.config import (
+from kvscope.engine.config import (
     DEFAULT_KV_ANCHOR_TOKENS,
     DEFAULT_KV_CACHE_BYTES,
     KV_DTYPES,

@@ -10,16 +10,16 @@ import contextlib
 import signal
 import sys
 
-from engine.cli.auth import add_auth_options, server_auth, trace_dir, warn_plain_http
-from engine.cli.http_options import add_http_options, http_address, start_http
-from engine.cli.kv_events_options import (
+from kvscope.engine.cli.auth import add_auth_options, server_auth, trace_dir, warn_plain_http
+from kvscope.engine.cli.http_options import add_http_options, http_address, start_http
+from kvscope.engine.cli.kv_events_options import (
     add_kv_events_options,
     kv_events_config,
     kv_events_endpoints,
 )
-from engine.cli.options import add_engine_options, engine_config_from_args, parse_bytes
-from ipc import endpoints
-from ipc.messages import DEFAULT_MAX_MESSAGE_BYTES
+from kvscope.engine.cli.options import add_engine_options, engine_config_from_args, parse_bytes
+from kvscope.ipc import endpoints
+from kvscope.ipc.messages import DEFAULT_MAX_MESSAGE_BYTES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,10 +108,10 @@ def main(argv: list[str]) -> int:
         return 2
     import zmq
 
-    from engine.llm_engine import LLMEngine
-    from engine.server.engine_server import EngineServer
-    from engine.server.metrics import EngineMetrics
-    from engine.traces.recorder import start_trace
+    from kvscope.engine.llm_engine import LLMEngine
+    from kvscope.engine.server.engine_server import EngineServer
+    from kvscope.engine.server.metrics import EngineMetrics
+    from kvscope.engine.traces.recorder import start_trace
 
     metrics = metrics_url = kv_events = http = None
     try:
@@ -171,7 +171,7 @@ def start_kv_events(engine, config, auth=None):
     auth: CURVE on its sockets too (ipc.curve.ServerAuth; None: plain text)."""
     if config is None:
         return None
-    from engine.server.kv_events import CacheEventFeed, KVEventPublisher
+    from kvscope.engine.server.kv_events import CacheEventFeed, KVEventPublisher
 
     publisher = KVEventPublisher(config, auth=auth)
     publisher.start()

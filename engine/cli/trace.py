@@ -10,10 +10,10 @@ import sys
 import time
 from pathlib import Path
 
-from engine.cli.options import add_engine_options, engine_config_from_args
-from engine.traces.reader import Trace, outputs_of, read_trace
-from engine.traces.recorder import start_trace
-from engine.traces.schema import (
+from kvscope.engine.cli.options import add_engine_options, engine_config_from_args
+from kvscope.engine.traces.reader import Trace, outputs_of, read_trace
+from kvscope.engine.traces.recorder import start_trace
+from kvscope.engine.traces.schema import (
     Abort,
     Arrival,
     Finish,
@@ -101,7 +101,7 @@ def _fmt(v) -> str:
 
 # -- replay --------------------------------------------------------------------------------
 def load_workload(path: str):
-    from engine.traces.workload import is_mooncake, read_kvscope, read_mooncake
+    from kvscope.engine.traces.workload import is_mooncake, read_kvscope, read_mooncake
 
     if is_mooncake(path):
         return read_mooncake(path), None
@@ -112,8 +112,8 @@ def load_workload(path: str):
 def replay(items, engine, out_path, speed: float | None, include_prompts: bool = True,
            prompt_seed: int = 0, hash_block_size: int = 512) -> dict:
     """Submit the arrivals (times scaled by 1/speed; all at once when speed is None)."""
-    from engine.sampling_params import SamplingParams
-    from engine.traces.workload import synthesise_prompts
+    from kvscope.engine.sampling_params import SamplingParams
+    from kvscope.engine.traces.workload import synthesise_prompts
 
     synthesise_prompts(items, engine.model.shape.vocab_size, prompt_seed, hash_block_size)
     pending = sorted(items, key=lambda w: w.t)
@@ -164,7 +164,7 @@ def compare_outputs(items, recorded: Trace | None, new: Trace, config) -> dict:
 
 
 def cmd_replay(args) -> int:
-    from engine.llm_engine import LLMEngine
+    from kvscope.engine.llm_engine import LLMEngine
 
     speed = None if args.speed == "max" else float(args.speed)
     if speed is not None and not speed > 0:

@@ -15,8 +15,8 @@ from pathlib import Path
 import psutil
 import torch
 
-from engine.server.nvml import NvmlDevice, open_nvml_device
-from ipc import messages as m
+from kvscope.engine.server.nvml import NvmlDevice, open_nvml_device
+from kvscope.ipc import messages as m
 
 
 def unique_bytes(tensors) -> int:

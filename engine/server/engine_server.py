@@ -24,18 +24,18 @@ from pathlib import Path
 import msgspec
 import zmq
 
-import engine as engine_pkg
-from engine.chat_template import chat_prompt_ids
-from engine.sampling_params import SamplingParams
-from engine.server import snapshots
-from engine.server.io_thread import HEARTBEAT_S, WAKE, ClientGone, IOThread
-from engine.server.metrics import EngineMetrics, FinishedRequest
-from engine.server.metrics_feed import DEVICE_INTERVAL, MetricsFeed
-from engine.server.trace_paths import default_trace_dir, prepare_trace_dir, trace_path_under
-from engine.traces.recorder import start_trace
-from ipc import codec
-from ipc import messages as m
-from ipc.curve import ServerAuth
+import kvscope.engine as engine_pkg
+from kvscope.engine.chat_template import chat_prompt_ids
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.server import snapshots
+from kvscope.engine.server.io_thread import HEARTBEAT_S, WAKE, ClientGone, IOThread
+from kvscope.engine.server.metrics import EngineMetrics, FinishedRequest
+from kvscope.engine.server.metrics_feed import DEVICE_INTERVAL, MetricsFeed
+from kvscope.engine.server.trace_paths import default_trace_dir, prepare_trace_dir, trace_path_under
+from kvscope.engine.traces.recorder import start_trace
+from kvscope.ipc import codec
+from kvscope.ipc import messages as m
+from kvscope.ipc.curve import ServerAuth
 
 MAX_STATE_BACKLOG = 4  # state frames not yet forwarded before the engine skips a round
 MAX_COMMANDS_PER_STEP = 256

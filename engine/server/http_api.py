@@ -22,15 +22,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-import engine as engine_pkg
-from engine.server import openai_schema as oa
-from engine.server.http_bridge import (
+import kvscope.engine as engine_pkg
+from kvscope.engine.server import openai_schema as oa
+from kvscope.engine.server.http_bridge import (
     EngineBridge,
     EngineRefused,
     EngineStream,
     EngineUnavailable,
 )
-from engine.server.http_metrics import CountRequests, metrics_route, request_counter
+from kvscope.engine.server.http_metrics import CountRequests, metrics_route, request_counter
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -19,8 +19,8 @@ import itertools
 import threading
 from collections.abc import AsyncIterator
 
-from ipc import codec
-from ipc import messages as m
+from kvscope.ipc import codec
+from kvscope.ipc import messages as m
 
 WATCH_S = 1.0  # how often the watchdog checks that the engine thread is still there
 _GONE = object()  # put in an inbox when the engine thread ended without answering

@@ -9,8 +9,8 @@ import threading
 
 import uvicorn
 
-from engine.server.http_api import ApiSettings, build_app
-from engine.server.http_bridge import EngineBridge
+from kvscope.engine.server.http_api import ApiSettings, build_app
+from kvscope.engine.server.http_bridge import EngineBridge
 
 GRACE_S = 3.0  # on shutdown, how long open connections get to finish
 

@@ -15,11 +15,11 @@ from typing import Any, Protocol
 
 import zmq
 
-from engine.server import snapshots
-from ipc import codec
-from ipc import messages as m
-from ipc.curve import ServerAuth, secure_server_socket
-from ipc.endpoints import is_ipv6
+from kvscope.engine.server import snapshots
+from kvscope.ipc import codec
+from kvscope.ipc import messages as m
+from kvscope.ipc.curve import ServerAuth, secure_server_socket
+from kvscope.ipc.endpoints import is_ipv6
 
 
 class ServerSide(Protocol):

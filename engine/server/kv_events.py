@@ -25,10 +25,10 @@ from itertools import count
 
 import zmq
 
-from engine.cache_events import BlockCached, BlockUncached
-from ipc import vllm_kv_events as v
-from ipc.curve import ServerAuth, secure_server_socket
-from ipc.endpoints import is_ipv6
+from kvscope.engine.cache_events import BlockCached, BlockUncached
+from kvscope.ipc import vllm_kv_events as v
+from kvscope.ipc.curve import ServerAuth, secure_server_socket
+from kvscope.ipc.endpoints import is_ipv6
 
 HASH_MASK = (1 << 64) - 1  # hashes go out as unsigned 64-bit ints, as vLLM's int hashes do
 FULL_ATTENTION = "full_attention"  # vLLM's kind for a plain decoder's one KV-cache group

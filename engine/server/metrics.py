@@ -22,8 +22,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.server.metrics_prefix import prefixed
-from ipc import messages as m
+from kvscope.engine.server.metrics_prefix import prefixed
+from kvscope.ipc import messages as m
 
 PREFIX = "kvscope:"
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so dashboards' heatmaps line up.

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import time
 
-from engine.server import snapshots
-from engine.server.device_monitor import DeviceMonitor
-from engine.server.metrics import EngineMetrics, EngineState
-from ipc import messages as m
+from kvscope.engine.server import snapshots
+from kvscope.engine.server.device_monitor import DeviceMonitor
+from kvscope.engine.server.metrics import EngineMetrics, EngineState
+from kvscope.ipc import messages as m
 
 DEVICE_INTERVAL = 1.0  # what nvidia-smi and nvitop sample at; NVML itself averages over ~1 s
 METRICS_INTERVAL = 0.05  # /metrics counters refresh at most this often while busy

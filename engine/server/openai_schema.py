@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from ipc import messages as m
+from kvscope.ipc import messages as m
 
 
 class ApiError(Exception):

@@ -14,7 +14,7 @@ from collections import deque
 
 import numpy as np
 
-from ipc import messages as m
+from kvscope.ipc import messages as m
 
 STEP_HISTORY = 512  # steps kept between two step frames; older ones are counted as dropped
 LATENCY_SAMPLES = 2048  # recent TTFT / inter-token samples behind the percentiles

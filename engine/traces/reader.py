@@ -8,7 +8,7 @@ from pathlib import Path
 
 import msgspec
 
-from engine.traces.schema import SCHEMA_VERSION, Arrival, Event, Header, Token, TraceError
+from kvscope.engine.traces.schema import SCHEMA_VERSION, Arrival, Event, Header, Token, TraceError
 
 
 @dataclass

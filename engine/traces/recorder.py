@@ -13,9 +13,9 @@ from pathlib import Path
 
 import msgspec
 
-from engine import __version__
-from engine.llm_engine import kv_dtype_name
-from engine.traces.schema import (
+from kvscope.engine import __version__
+from kvscope.engine.llm_engine import kv_dtype_name
+from kvscope.engine.traces.schema import (
     SCHEMA_VERSION,
     Abort,
     Alloc,

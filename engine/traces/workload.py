@@ -14,8 +14,8 @@ from pathlib import Path
 
 import msgspec
 
-from engine.traces.reader import outputs_of, read_trace
-from engine.traces.schema import Arrival, TraceError
+from kvscope.engine.traces.reader import outputs_of, read_trace
+from kvscope.engine.traces.schema import Arrival, TraceError
 
 
 @dataclass
