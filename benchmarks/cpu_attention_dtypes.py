@@ -13,7 +13,6 @@ import functools
 import json
 import sys
 import time
-from pathlib import Path
 
 CASES = (("float32", "float32"), ("bfloat16", "bfloat16"), ("float16", "float32"),
          ("int8", "float32"), ("int8", "bfloat16"), ("fp8", "float32"))
@@ -41,11 +40,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from test_attention_ref import build_batch
-
     from kvscope.kernels import cpu_attention
     from kvscope.kernels.quant import quantize
+    from kvscope.testing.pools import build_batch
 
     torch.set_num_threads(args.threads)
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,

@@ -1,7 +1,7 @@
 """What the desktop app costs: `python -m kvscope.benchmarks.gui_bench [--json] [serve options]`
 
 (a) GUI main-thread time per frame: a MainWindow (offscreen unless a display is set; --size,
-    default 1600x900, every panel visible) fed synthetic engine state (tests/app_fakes.py
+    default 1600x900, every panel visible) fed synthetic engine state (kvscope/testing/frames.py
     builders: 64 running requests, tables scattered over the pool, one request selected)
     through the bridge's own path: each tick puts a new frame of every topic into the
     bridge's mailbox, then times bridge.drain() (the views take the newest frames) +
@@ -38,7 +38,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))  # app_fakes: the frame builders the app tests use
 
 
 def log(msg: str) -> None:
@@ -66,7 +65,7 @@ def make_window(tmp: str, size: tuple[int, int] = (1600, 900), **kwargs):
 def synthetic_frames(num_blocks: int, requests: int, variants: int, block_size: int = 16):
     """`variants` blocks frames of one busy pool: ~85% of the blocks in use by `requests`
     running requests, each table scattered physically, the last block of each partly filled."""
-    from app_fakes import blocks_frame
+    from kvscope.testing.frames import blocks_frame
 
     rng = random.Random(num_blocks)
     ids = [f"req-{i:03d}" for i in range(requests)]
@@ -84,8 +83,9 @@ def synthetic_frames(num_blocks: int, requests: int, variants: int, block_size: 
 
 def gui_frame_time(num_blocks: int, requests: int, ticks: int, tmp: str,
                    size: tuple[int, int], every_view: bool) -> dict:
-    from app_fakes import heartbeat, stats_frame, step_frame
     from PySide6.QtWidgets import QApplication
+
+    from kvscope.testing.frames import heartbeat, stats_frame, step_frame
 
     app = QApplication.instance()
     window = make_window(tmp, size, engine_args=[])

@@ -14,7 +14,7 @@ requests finishes them in waves, and a wave's resubmissions that trickle in star
 with only part of the batch.
 
 Options not listed below go to `kvscope serve` (--model, --device, --max-num-seqs, ...).
---tiny uses the random tiny test model (tests/tiny_models.py): steps of a millisecond or two,
+--tiny uses the random tiny test model (kvscope/testing/tiny_models.py): steps of a millisecond or two,
 the worst case for the HTTP side's relative cost.
 """
 from __future__ import annotations
@@ -247,8 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     args, serve_args = p.parse_known_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         if args.tiny:
-            sys.path.insert(0, str(REPO / "tests"))
-            from tiny_models import save_tiny_model
+            from kvscope.testing.tiny_models import save_tiny_model
 
             save_tiny_model(Path(tmp), "llama", seed=0)
             serve_args = ["--model", tmp, *serve_args]

@@ -9,7 +9,7 @@
     frame arriving, decoded, at a subscriber in this process.
 
 Options not listed below go to `kvscope serve` (--model, --device, --num-kv-blocks, ...).
---tiny uses the random tiny test model (tests/tiny_models.py) with 32k KV blocks: the worst
+--tiny uses the random tiny test model (kvscope/testing/tiny_models.py) with 32k KV blocks: the worst
 case for relative overhead, since its steps take a millisecond or two.
 """
 from __future__ import annotations
@@ -251,8 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     args, serve_args = p.parse_known_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         if args.tiny:
-            sys.path.insert(0, str(REPO / "tests"))
-            from tiny_models import save_tiny_model
+            from kvscope.testing.tiny_models import save_tiny_model
 
             save_tiny_model(Path(tmp), "llama", seed=0)
             serve_args = ["--model", tmp, "--num-kv-blocks", "32768", *serve_args]

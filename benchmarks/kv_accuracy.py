@@ -27,7 +27,7 @@ def load_prompts(path: Path = PROMPTS_FILE) -> list[str]:
 
 
 # The file's first eight: the set kv-accuracy used before it grew to 40, which other benchmarks
-# (single_stream, kv_shift_experiment) still measure on.
+# (single_stream) still measures on.
 PROMPTS = load_prompts()[:8]
 TEXT = Path(__file__).resolve().parent.parent / "resources" / "perplexity_text.txt"
 DTYPES = ["float32", "bfloat16", "float16", "int8", "fp8"]

@@ -14,8 +14,8 @@ dtype). It runs when every row of the step decodes and the pool holds float32 or
 unrotated; anything else (prefill chunks, 1-byte or rotated KV, a bias on a projection) takes
 the model's ordinary forward. The residual stream is float32 here: for a float32 model that is
 the ordinary forward's too, and the results differ from it only in float32 rounding order
-(tests/test_fused_decode.py; the greedy tokens still equal Hugging Face's,
-tests/test_embedded_model.py); a bfloat16 model's ordinary forward rounds the residual stream
+(tests/engine/test_fused_decode.py; the greedy tokens still equal Hugging Face's,
+tests/engine/test_embedded_model.py); a bfloat16 model's ordinary forward rounds the residual stream
 to bfloat16 after every add, which this step does not.
 """
 from __future__ import annotations

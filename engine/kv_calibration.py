@@ -7,7 +7,7 @@ channel, over the group's query heads, normalised to a geometric mean of 1. Both
 transforms whatever their values, so the calibration text only decides how much they help.
 
 The forward mirrors PagedLlama.forward without the paged pool (a full causal SDPA over the
-one sequence); tests/test_kv_calibration.py checks its keys against the ones the model writes.
+one sequence); tests/engine/test_k_balance.py checks its keys against the ones the model writes.
 """
 from __future__ import annotations
 

@@ -24,7 +24,8 @@ BACKENDS = ("ref", "triton")
 
 
 def backend(device: torch.device | str) -> str:
-    """'triton' or 'ref' for tensors on `device`, honouring KVSCOPE_KERNELS."""
+    """'triton' (CUDA), 'cpu' (the native CPU kernels, when they built) or 'ref' (the torch
+    references) for tensors on `device`, honouring KVSCOPE_KERNELS."""
     device = torch.device(device)
     forced = os.environ.get(ENV, "").strip().lower()
     if forced in ("", "auto"):

@@ -49,7 +49,7 @@ Design
 * Tiles: BLOCK_M = 16 query rows (decode-only steps) or 64 (32 for float32); BLOCK_N = 64
   keys for head_dim <= 64 (32 for float32 or larger heads); 8 warps from 64 x 128 output
   tiles (32 x 128 for float32) and whenever the rotation is on, else 4 (register use checked
-  by compiling for sm_80 and sm_90 offline, benchmarks/triton_registers.py: no spills in the
+  by compiling for sm_80 and sm_90 offline, benchmarks/device/triton_registers.py: no spills in the
   KV loop; the rotated tiles spilled in it at 4 warps).
 """
 from __future__ import annotations
@@ -427,7 +427,7 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if not 16 <= block_n <= 256 or block_n & (block_n - 1):
         raise ValueError(f"block_n={block_n} is not a power of two from 16 to 256")
     # A rotation holds R and a float32 dot in registers: at 4 warps the KV loop spills
-    # (benchmarks/triton_registers.py: 2-5 local loads/stores a tile on sm_80/sm_90), at 8
+    # (benchmarks/device/triton_registers.py: 2-5 local loads/stores a tile on sm_80/sm_90), at 8
     # it does not.
     big = block_m * block_d * (2 if f32 else 1) >= 64 * 128
     num_warps = 8 if big or rot is not None else 4

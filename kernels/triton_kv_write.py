@@ -8,7 +8,7 @@ writes the codes into the slot and the scales into the scale cache. A negative s
 skipped (vLLM's padding convention; the reference would reject it).
 
 Bit-exactness with the reference (tested under TRITON_INTERPRET=1, checked on the GPU by
-benchmarks/gpu_check.py):
+benchmarks/device/gpu_check.py):
 * both divisions use IEEE round-to-nearest division (`tl.math.div_rn`; a plain `/` is an
   approximate division on NVIDIA GPUs), so scales and x / scale equal torch's bit for bit;
 * int8 rounds half to even like `torch.round`, with the float trick
@@ -25,7 +25,7 @@ require that.
 With a rotation R (kernels/rotation.py) the program multiplies its [kv_heads, head_dim] K and V
 tiles by R in registers (a float32 `tl.dot`, the kv-head rows padded to 16) before the scale
 is taken: no extra pass over anything, and the pool holds x @ R. Its summation order is not
-torch's, so rotated codes may sit one step from the torch path's (tests/test_triton_rotation.py).
+torch's, so rotated codes may sit one step from the torch path's (tests/kernels/test_triton_rotation.py).
 With a K balance (kernels/k_balance.py) the K tile is shifted and scaled per channel first,
 (k - c) * g, two elementwise ops on the tile it already holds.
 """

@@ -59,7 +59,7 @@ def test_the_launcher_reaches_the_gui_without_torch_or_the_engine():
     assert out.stdout.strip() == "[]"
 
 
-BARE = re.compile(r"^\s*(?:from|import)\s+(engine|kernels|ipc|app|kvmath|benchmarks)\b", re.M)
+BARE = re.compile(r"^\s*(?:from|import)\s+(engine|kernels|ipc|app|kvmath|benchmarks)\b", re.MULTILINE)
 
 
 def test_nothing_imports_a_root_folder_by_its_bare_name():

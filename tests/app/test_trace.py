@@ -1,0 +1,236 @@
+"""The app's trace parts: the JSONL reader, the record button (against a fake client on the
+real bridge worker) and a real replay + compare of a tiny-model trace in a QProcess."""
+import os
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvscope.app.bridge import EngineBridge
+from kvscope.app.traces.file import TraceFileError, read_series
+from kvscope.app.traces.panel import engine_args_from
+from kvscope.app.traces.record import TraceRecordPanel
+from kvscope.app.traces.replay import TraceReplayPanel
+from kvscope.ipc import messages as m
+from kvscope.testing.tiny_models import save_tiny_model
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("llama"), "llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def recorded(model, tmp_path_factory):
+    path = tmp_path_factory.mktemp("rec") / "session.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    subprocess.run([sys.executable, "-m", "kvscope", "generate", "hi", "--raw", "--model",
+                    str(model), "--max-tokens", "5", "--trace", str(path)],
+                   check=True, cwd=REPO, env=env, capture_output=True, timeout=120)
+    return path
+
+
+def test_reader_parses_a_recorded_trace(recorded):
+    s = read_series(recorded)
+    assert s.header["ev"] == "header" and s.header["block_size"] > 0
+    assert len(s.t) == len(s.tokens) == len(s.kv_usage) >= 5
+    assert s.t[0] >= 0 and s.t == sorted(s.t)
+    assert s.tokens[0] > 1  # the prefill step
+    assert all(0 <= u <= 1 for u in s.kv_usage) and max(s.kv_usage) > 0
+    assert not s.truncated
+
+
+def test_reader_rejects_a_malformed_line_with_its_number(recorded, tmp_path):
+    lines = recorded.read_text().splitlines()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join([*lines[:2], '{"ev": "step", "t": "soon"}', *lines[2:]]) + "\n")
+    with pytest.raises(TraceFileError, match=r"bad.jsonl:3:"):
+        read_series(bad)
+    bad.write_text("\n".join([*lines[:3], "__import__('os')", *lines[3:]]) + "\n")
+    with pytest.raises(TraceFileError, match=r"bad.jsonl:4: not JSON"):
+        read_series(bad)
+    bad.write_text('{"ev": "step", "t": 0}\n')
+    with pytest.raises(TraceFileError, match=r":1: expected a kvscope trace header"):
+        read_series(bad)
+
+
+def test_reader_tolerates_a_truncated_last_line(recorded, tmp_path):
+    data = recorded.read_bytes().rstrip(b"\n")
+    cut = tmp_path / "cut.jsonl"
+    cut.write_bytes(data[:-7])  # the last event, cut mid-line
+    s = read_series(cut)
+    assert s.truncated and s.events == read_series(recorded).events - 1
+    cut.write_bytes(data + b"\n" + b'{"ev": "step", "t": 1.0, "du')
+    assert read_series(cut).truncated
+
+
+class FakeClient:
+    def __init__(self):
+        self.calls = []
+
+    def trace_start(self, path, include_prompts=True, timeout=None):
+        self.calls.append(("start", path, include_prompts))
+        Path(path).write_bytes(b'{"ev":"header"}\n')
+        return m.TraceResult(recording=True, path=path, bytes=16)
+
+    def trace_stop(self, timeout=None):
+        self.calls.append(("stop",))
+        return m.TraceResult(recording=False, path=self.calls[0][1], bytes=0)
+
+    def close(self):
+        pass
+
+
+def test_record_button_toggles_and_shows_the_growing_size(qtbot, tmp_path):
+    bridge = EngineBridge()
+    client = FakeClient()
+    bridge.client = bridge._worker.client = client
+    panel = TraceRecordPanel(bridge, ask_path=False)
+    qtbot.addWidget(panel)
+    try:
+        path = tmp_path / "rec.jsonl"
+        panel.path_edit.setText(str(path))
+        panel.no_prompts.setChecked(True)
+        panel.record_button.click()
+        qtbot.waitUntil(lambda: panel.recording, timeout=5000)
+        assert client.calls == [("start", str(path), False)]
+        assert "Stop" in panel.record_button.text() and str(path) in panel.file_label.text()
+        assert panel.size_bytes == 16 and panel.size_timer.isActive()
+        with path.open("ab") as f:
+            f.write(b"x" * 5000 + b"\n")
+        qtbot.waitUntil(lambda: panel.size_bytes == 5017, timeout=3000)
+        assert "5,017 bytes" in panel.size_label.text()
+        panel.record_button.click()
+        qtbot.waitUntil(lambda: not panel.recording and panel.record_button.isEnabled(),
+                        timeout=5000)
+        assert client.calls[-1] == ("stop",)
+        assert not panel.size_timer.isActive() and "saved" in panel.file_label.text()
+    finally:
+        panel.close()
+        bridge.close()
+
+
+def test_record_without_engine_reports_the_failure(qtbot):
+    bridge = EngineBridge()
+    panel = TraceRecordPanel(bridge, ask_path=False)
+    qtbot.addWidget(panel)
+    try:
+        panel.record_button.click()
+        assert not panel.recording and panel.record_button.isEnabled()
+        assert "no engine is connected" in panel.file_label.text()
+    finally:
+        panel.close()
+        bridge.close()
+
+
+def test_replay_panel_replays_overlays_and_compares(qtbot, model, recorded, tmp_path):
+    trace = tmp_path / "session.jsonl"
+    trace.write_bytes(recorded.read_bytes())
+    values = {"block_size": 8, "kv_dtype": "auto", "kv_cache_bytes": 4 << 20,
+              "max_num_seqs": 4, "max_num_batched_tokens": 256,
+              "enable_prefix_caching": False}
+    args = engine_args_from(values, {"model": str(model), "device": "cpu"})
+    panel = TraceReplayPanel(lambda: args)
+    qtbot.addWidget(panel)
+    assert panel.open_trace(str(trace))
+    assert panel.plot.points("recorded") == len(read_series(trace).t)
+    with qtbot.waitSignal(panel.finished, timeout=60_000) as done:
+        panel.replay_button.click()
+        assert panel.busy and panel.progress.isVisible() is panel.isVisible()
+    assert done.args == [True], panel.status.text()
+    assert Path(panel.replay_path).exists()
+    assert panel.summary["block_size"] == 8 and panel.summary["requests"] == 1
+    assert "outputs identical" in panel.status.text()
+    assert panel.plot.points("replay") == panel.summary["steps"] > 0
+    ratios = panel.comparison["ratio"]
+    assert ratios["output_tokens"] == 1.0
+    rows = {panel.table.item(r, 0).text(): panel.table.item(r, 3).text()
+            for r in range(panel.table.rowCount())}
+    assert rows["output_tokens"] == "1×"
+    assert not panel.busy and not panel.progress.isVisible()
+
+
+def test_replay_panel_reports_a_bad_trace(qtbot, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"ev": "header", "schema_version": 1}\n{"ev": "nope", "t": 0}\n')
+    panel = TraceReplayPanel()
+    qtbot.addWidget(panel)
+    assert not panel.open_trace(str(bad))
+    assert "bad.jsonl:2" in panel.trace_label.text() and not panel.replay_button.isEnabled()
+
+
+def test_replay_can_be_cancelled_and_close_kills_it(qtbot, model, recorded):
+    panel = TraceReplayPanel(lambda: ["--model", str(model), "--device", "cpu"])
+    qtbot.addWidget(panel)
+    assert panel.open_trace(str(recorded))
+    with qtbot.waitSignal(panel.finished, timeout=10_000) as done:
+        panel.replay()
+        assert panel.busy
+        panel.cancel()
+    assert done.args == [False] and panel.status.text() == "cancelled" and not panel.busy
+    panel.replay()
+    proc = panel.proc
+    assert proc is not None
+    panel.close()  # a window closed mid-replay leaves no process behind
+    assert panel.proc is None
+
+
+def test_window_records_a_real_session_and_replays_it(qtbot, model, tmp_path, monkeypatch):
+    from PySide6.QtCore import QSettings, Qt
+
+    from kvscope.app.main_window import MainWindow
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))  # the engine's trace folder
+    settings = QSettings(str(tmp_path / "kvscope.ini"), QSettings.Format.IniFormat)
+    window = MainWindow(engine_args=["--model", str(model), "--device", "cpu",
+                                     "--block-size", "4", "--kv-cache-bytes", "262144"],
+                        settings=settings)
+    qtbot.addWidget(window)
+    rec, replay = window.trace_panel.record, window.trace_panel.replay
+    try:
+        window.start()
+        qtbot.waitUntil(lambda: window.hello is not None, timeout=120_000)
+        traces = tmp_path / "data" / "kvscope" / "traces"
+        assert window.hello.trace_dir == str(traces.resolve())
+        # the panel proposes a file where the engine records (it refuses anywhere else)
+        assert Path(rec.path_edit.text()).parent == Path(window.hello.trace_dir)
+        path = traces / "live.jsonl"
+        rec.path_edit.setText(str(path))
+        rec.record_button.click()
+        qtbot.waitUntil(lambda: rec.recording, timeout=10_000)
+        window.chat.max_tokens.setValue(8)
+        window.chat.temperature.setValue(0.0)
+        qtbot.keyClicks(window.chat.input, "hello engine")
+        qtbot.keyClick(window.chat.input, Qt.Key.Key_Return)
+        turn = next(iter(window.chat.turns.values()))
+        qtbot.waitUntil(lambda: turn.done, timeout=60_000)
+        qtbot.waitUntil(lambda: (rec.size_bytes or 0) > 1000, timeout=5000)
+        rec.record_button.click()
+        qtbot.waitUntil(lambda: not rec.recording and rec.record_button.isEnabled(),
+                        timeout=10_000)
+        assert read_series(path).tokens
+        # Replay against the controls as shown (block size 8, not applied to the engine).
+        window.controls.block_size.setCurrentText("8")
+        assert replay.open_trace(str(path))
+        with qtbot.waitSignal(replay.finished, timeout=60_000) as done:
+            replay.replay_button.click()
+        assert done.args == [True], replay.status.text()
+        assert replay.summary["block_size"] == 8 and replay.summary["requests"] == 1
+        assert replay.plot.points("replay") > 0 and replay.table.rowCount() > 5
+    finally:
+        window.shutdown()
+
+
+def test_replay_args_carry_the_kv_rotation():
+    values = {"block_size": 8, "kv_dtype": "int8", "kv_rotation": "none",
+              "kv_cache_bytes": 4 << 20, "max_num_seqs": 4, "max_num_batched_tokens": 256,
+              "enable_prefix_caching": True}
+    args = engine_args_from(values, {"model": "m"})
+    assert args[args.index("--kv-rotation") + 1] == "none"
+    assert "--kv-rotation" not in engine_args_from({**values, "kv_rotation": ""}, {})

@@ -1,0 +1,71 @@
+"""Reconfiguring the KV pool mid-generation loses no request and changes no greedy output."""
+from __future__ import annotations
+
+import pytest
+
+from kvscope.engine import LLM, EngineConfig, SamplingParams
+from kvscope.testing.tiny_models import save_tiny_model
+from tests.engine.test_engine_tiny import random_prompts
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", seed=5)
+
+
+def run(llm, prompts, changes_at=None):
+    engine = llm.engine
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    streamed = {i: [] for i in ids}
+    step = 0
+    while engine.has_unfinished():
+        if changes_at and step in changes_at:
+            engine.reconfigure(**changes_at[step])
+        for d in engine.step():
+            streamed[d.request_id] += d.token_ids
+        step += 1
+    outs = [engine.pop_output(i) for i in ids]
+    for o in outs:
+        assert streamed[o.request_id] == o.token_ids  # the stream continued, nothing repeated
+    return outs
+
+
+def test_block_size_and_budget_change_mid_generation(path):
+    prompts = random_prompts([7, 30, 12], seed=3)
+    base = run(LLM(EngineConfig(model=str(path), block_size=8, num_kv_blocks=64)), prompts)
+    llm = LLM(EngineConfig(model=str(path), block_size=8, num_kv_blocks=64))
+    outs = run(llm, prompts, {3: {"block_size": 2, "num_kv_blocks": 200},
+                              9: {"block_size": 32, "num_kv_blocks": 12,
+                                  "enable_prefix_caching": False, "max_num_seqs": 2}})
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    assert all(o.finish_reason == "length" for o in outs)
+    stats = llm.stats()
+    assert (stats["block_size"], stats["num_kv_blocks"]) == (32, 12)
+    assert stats["num_free_blocks"] == 12
+
+
+def test_kv_dtype_change_keeps_every_request(path):
+    prompts = random_prompts([7, 30, 12], seed=4)
+    llm = LLM(EngineConfig(model=str(path), block_size=8, num_kv_blocks=64))
+    outs = run(llm, prompts, {4: {"kv_dtype": "bfloat16"}})
+    assert all(len(o.token_ids) == 20 for o in outs)
+    assert llm.stats()["kv_dtype"] == "bfloat16"
+
+
+def test_refused_reconfigure_keeps_the_old_pool(path):
+    llm = LLM(EngineConfig(model=str(path), block_size=8, num_kv_blocks=64))
+    engine = llm.engine
+    rid = engine.add_request(random_prompts([40], seed=1)[0],
+                             SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.step()
+    with pytest.raises(ValueError, match="block_size"):
+        engine.reconfigure(block_size=3)
+    with pytest.raises(ValueError, match="cannot hold"):
+        engine.reconfigure(num_kv_blocks=2)
+    with pytest.raises(ValueError, match="model"):
+        engine.reconfigure(model="other")
+    assert (llm.stats()["block_size"], llm.stats()["num_kv_blocks"]) == (8, 64)
+    while engine.has_unfinished():
+        engine.step()
+    assert len(engine.pop_output(rid).token_ids) == 5

@@ -1,0 +1,100 @@
+"""The native CPU decode attention (kernels/cpu_decode_attention.c) against the torch
+reference, for every KV storage dtype, GQA shape and block size, decode rows mixed with
+prefill chunks."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvscope.kernels import cpu_attention, native
+from kvscope.kernels.attention_ref import paged_attention_ref
+from kvscope.kernels.quant import quantize
+from tests.kernels.test_attention_ref import build_batch, reference
+
+pytestmark = pytest.mark.skipif(not native.enabled(), reason=f"{native.ENV}=off")
+
+
+def test_the_kernel_builds_here():
+    # This machine has a C compiler; a build failure must fail the suite, not skip it.
+    assert native.available()
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (9, 3)])
+def test_float32_pool_matches_float64(block_size, heads, kv_heads):
+    q_lens, ctx_lens = [1, 5, 1, 7, 1, 1], [9, 5, 1, 20, 33, 64]
+    query, kc, vc, meta, tables = build_batch(q_lens, ctx_lens, block_size, heads, kv_heads, 64,
+                                              num_blocks=300, seed=block_size + heads)
+    scale = 1 / math.sqrt(64)
+    got = cpu_attention.paged_attention_cpu(query, kc, vc, meta, scale)
+    want = reference(query, kc, vc, meta, tables, scale)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int8,
+                                   torch.float8_e4m3fn])
+def test_every_storage_dtype_matches_the_reference(dtype):
+    """Same pool contents, read by both: the kernel's in-register dequantization and
+    conversion equal the reference's, up to float32 summation order."""
+    q_lens, ctx_lens = [1, 1, 3, 1], [17, 40, 3, 5]
+    query, kc, vc, meta, _ = build_batch(q_lens, ctx_lens, 4, 8, 2, 64, num_blocks=60,
+                                         seed=7)
+    if dtype in (torch.int8, torch.float8_e4m3fn):
+        (kc, ks), (vc, vs) = quantize(kc, dtype), quantize(vc, dtype)
+    else:
+        kc, vc, ks, vs = kc.to(dtype), vc.to(dtype), None, None
+    query = query.bfloat16() if dtype == torch.bfloat16 else query
+    scale = 0.125
+    got = cpu_attention.paged_attention_cpu(query, kc, vc, meta, scale, ks, vs)
+    want = paged_attention_ref(query, kc, vc, meta, scale, ks, vs)
+    assert got.dtype == query.dtype
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5  # bf16 output rounding
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_many_decode_rows_of_mixed_lengths():
+    q_lens, ctx_lens = [1] * 9, [3, 70, 16, 1, 45, 8, 33, 2, 64]
+    query, kc, vc, meta, tables = build_batch(q_lens, ctx_lens, 16, 6, 2, 64, num_blocks=100,
+                                              seed=3)
+    got = cpu_attention.paged_attention_cpu(query, kc, vc, meta, 0.125)
+    want = reference(query, kc, vc, meta, tables, 0.125)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_without_a_compiler_the_engine_keeps_the_torch_kernels(monkeypatch, tmp_path, capfd):
+    from kvscope.kernels import ops
+
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(ops.ENV, raising=False)
+    native.library.cache_clear()
+    try:
+        assert native.library() is None and not native.available()
+        assert ops.backend("cpu") == "ref"
+        assert "building the CPU kernels failed" in capfd.readouterr().err
+    finally:
+        monkeypatch.undo()
+        native.library.cache_clear()
+    assert native.available()
+
+
+def test_a_batch_shared_over_threads_matches_one_thread_and_the_reference():
+    """Past the kernel's parallel threshold (2048 cached rows in a call) the (sequence, KV head)
+    pairs are shared out over torch's OpenMP threads: the result may not depend on that."""
+    q_lens, ctx_lens = [1] * 12, [200, 7, 130, 64, 1, 90, 333, 16, 48, 150, 2, 77]
+    query, kc, vc, meta, tables = build_batch(q_lens, ctx_lens, 16, 6, 3, 64, num_blocks=120,
+                                              seed=5)
+    assert sum(ctx_lens) * 3 >= 2048
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        shared = cpu_attention.paged_attention_cpu(query, kc, vc, meta, 0.125)
+        torch.set_num_threads(1)
+        alone = cpu_attention.paged_attention_cpu(query, kc, vc, meta, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(shared, alone)
+    want = reference(query, kc, vc, meta, tables, 0.125)
+    torch.testing.assert_close(shared.double(), want, rtol=1e-5, atol=1e-5)

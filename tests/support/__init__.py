@@ -1,0 +1,1 @@
+"""Test helpers shared across the test folders (a real `kvscope serve` subprocess, CURVE stubs)."""
