@@ -78,7 +78,7 @@ class CommandWorker(QObject):
     helloReceived = Signal(object)
     submitted = Signal(str)  # request id
     submitFailed = Signal(str, str)  # request id, message
-    reconfigured = Signal(object)  # the config now in force
+    reconfigured = Signal(object)  # ipc.messages.EngineSettings: the config now in force
     reconfigureRefused = Signal(str)
     commandFailed = Signal(str, str)  # command, message
     traceChanged = Signal(object)  # ipc.messages.TraceResult
@@ -149,13 +149,6 @@ class CommandWorker(QObject):
         except Exception as exc:  # noqa: BLE001
             self.commandFailed.emit("trace_stop", _message(exc))
 
-    @Slot()
-    def shutdown(self) -> None:
-        try:
-            self.client.shutdown(timeout=5)
-        except Exception as exc:  # noqa: BLE001
-            self.commandFailed.emit("shutdown", _message(exc))
-
 
 def _lost(client) -> int:
     """Frames a client saw go missing (sequence gaps); a source without sequence numbers
@@ -168,7 +161,11 @@ def _message(exc: Exception) -> str:
 
 
 class EngineBridge(QObject):
-    """The GUI's one handle on an engine. Signals are facts; methods are commands."""
+    """The GUI's one handle on an engine. Signals are facts; methods are commands.
+
+    It never shuts an engine down: closing it only detaches. The window stops the engine
+    child it started itself (EngineProcess.stop: SIGTERM, which `kvscope serve` handles
+    as a clean shutdown), and an engine it attached to keeps serving its other clients."""
 
     stateReceived = Signal(str, object)  # topic, newest frame
     deltasReceived = Signal(list)  # ipc.messages.Delta, in arrival order
@@ -177,7 +174,7 @@ class EngineBridge(QObject):
     engineRevived = Signal()
     submitted = Signal(str)
     submitFailed = Signal(str, str)
-    reconfigured = Signal(object)
+    reconfigured = Signal(object)  # ipc.messages.EngineSettings
     reconfigureRefused = Signal(str)
     commandFailed = Signal(str, str)
     traceChanged = Signal(object)  # ipc.messages.TraceResult: recording or not, path, bytes
@@ -186,7 +183,6 @@ class EngineBridge(QObject):
     _submitRequested = Signal(str, object, object)
     _abortRequested = Signal(str)
     _reconfigureRequested = Signal(object)
-    _shutdownRequested = Signal()
     _traceStartRequested = Signal(str, bool)
     _traceStopRequested = Signal()
 
@@ -211,7 +207,6 @@ class EngineBridge(QObject):
         self._submitRequested.connect(self._worker.submit)
         self._abortRequested.connect(self._worker.abort)
         self._reconfigureRequested.connect(self._worker.reconfigure)
-        self._shutdownRequested.connect(self._worker.shutdown)
         self._traceStartRequested.connect(self._worker.trace_start)
         self._traceStopRequested.connect(self._worker.trace_stop)
         self._thread.start()
@@ -268,10 +263,6 @@ class EngineBridge(QObject):
             self.commandFailed.emit("trace_stop", "no engine is connected")
             return
         self._traceStopRequested.emit()
-
-    def shutdown_engine(self) -> None:
-        if self.client is not None:
-            self._shutdownRequested.emit()
 
     def set_drain_interval(self, ms: int) -> None:
         """Hand frames to the views this often (the window's frame rate)."""

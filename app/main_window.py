@@ -4,6 +4,7 @@ engine status bar below. Owns the engine child (or attaches to an engine) and th
 (app.frame_clock) that paces every repaint."""
 from __future__ import annotations
 
+import msgspec
 from PySide6.QtCore import QSettings, Qt, Signal
 from PySide6.QtGui import QKeySequence, QShortcut
 from PySide6.QtWidgets import QDockWidget, QMainWindow, QScrollArea, QSplitter, QTabWidget
@@ -21,6 +22,7 @@ from kvscope.app.frame_clock import FrameClock, FrameJobs
 from kvscope.app.plots.batch_plots import BatchPlots
 from kvscope.app.status_bar import EngineStatusBar
 from kvscope.app.traces.panel import TracePanel, engine_args_from
+from kvscope.ipc.messages import EngineSettings, HelloResult
 
 WIDE = 1800  # from this width on the chat and the side panel each get a column of their own
 MAP_SHARE = 0.66  # of the middle's height: the block map; the rest is the history row
@@ -60,7 +62,7 @@ class MainWindow(QMainWindow):
         self.settings = settings if settings is not None else app_settings.default_settings()
         self.attach_endpoints = (attach, attach_state) if attach else None
         self.attach_keys = attach_keys  # ipc.keys.ClientKeys, or None for plain text
-        self.hello = None
+        self.hello: HelloResult | None = None
         self.closed = False
         self.bridge = EngineBridge(self, heartbeat_timeout=heartbeat_timeout)
         self.engine = None if attach else EngineProcess(
@@ -226,18 +228,19 @@ class MainWindow(QMainWindow):
         super().closeEvent(event)
 
     # -- engine facts ---------------------------------------------------------------------------
-    def on_hello(self, hello) -> None:
+    def on_hello(self, hello: HelloResult) -> None:
         self.hello = hello
         self.controls.show_config(hello.config)
-        self.kv_calculator.set_running_model(str(hello.config.get("model", "")))
+        self.kv_calculator.set_running_model(hello.config.model)
         self.status.show_hello(hello)
         self.status.start_watching()
         self.engineReady.emit(hello)
 
     def replay_engine_args(self) -> list[str]:
         """The Engine tab's settings (as the controls show them) as replay CLI options."""
-        config = self.hello.config if self.hello is not None else {}
-        values = self.controls.values() if self.controls.config else {}
+        # engine_args_from (app.traces) reads the settings as a plain dict
+        config = msgspec.structs.asdict(self.hello.config) if self.hello is not None else {}
+        values = self.controls.values() if self.controls.config is not None else {}
         return engine_args_from(values, config)
 
     def on_state(self, topic: str, frame) -> None:
@@ -251,10 +254,10 @@ class MainWindow(QMainWindow):
             self.status.show_stats(frame)
             self.block_map.show_stats(frame)
             self.plots.show_stats(frame)
-            self.kv_calculator.set_engine_kv(frame.engine.get("kv_bytes_per_token"),
-                                             frame.engine.get("kv_dtype"))
-            self.kv_calculator.fits.set_engine_block_size(frame.engine.get("block_size"))
-            self.kv_calculator.fits.set_engine_max_seqs(frame.config.get("max_num_seqs"))
+            self.kv_calculator.set_engine_kv(frame.engine.kv_bytes_per_token,
+                                             frame.engine.kv_dtype)
+            self.kv_calculator.fits.set_engine_block_size(frame.engine.block_size)
+            self.kv_calculator.fits.set_engine_max_seqs(frame.config.max_num_seqs)
         elif topic == "device":
             self.device_panel.show_device(frame)
             self.kv_calculator.fits.set_device(frame)
@@ -262,7 +265,7 @@ class MainWindow(QMainWindow):
             self.status.show_heartbeat(frame)
             self.clock.set_busy(frame.busy)
 
-    def on_reconfigured(self, config: dict) -> None:
+    def on_reconfigured(self, config: EngineSettings) -> None:
         self.controls.show_applied(config)
 
     def on_engine_dead(self, reason: str) -> None:

@@ -10,6 +10,7 @@ from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import QLabel, QPushButton, QStatusBar, QWidget
 
 from kvscope.app.fmt import human_bytes
+from kvscope.ipc.messages import EngineStats, HelloResult, StatsFrame
 
 DEAD_AFTER_S = 3.0
 CHECK_MS = 250
@@ -66,9 +67,8 @@ class EngineStatusBar(QStatusBar):
     def stop_watching(self) -> None:
         self.timer.stop()
 
-    def show_hello(self, hello) -> None:
-        url = getattr(hello, "metrics_url", None)
-        api = getattr(hello, "http_url", None)
+    def show_hello(self, hello: HelloResult) -> None:
+        url, api = hello.metrics_url, hello.http_url
         parts = [f"metrics: {url}"] * bool(url) + [f"OpenAI API: {api}"] * bool(api)
         self.metrics_label.setText(" · ".join(parts))
         self.metrics_label.setToolTip("Prometheus scrapes the metrics URL; any OpenAI client "
@@ -83,17 +83,14 @@ class EngineStatusBar(QStatusBar):
             self.timer.start()
         self._set_state("busy" if hb.busy else "idle")
 
-    def show_stats(self, stats) -> None:
-        e, c = stats.engine, stats.config
-        model = str(c.get("model", "?"))
-        model = "SmolLM2-135M-Instruct (embedded)" if model == "default" else Path(model).name
+    def show_stats(self, stats: StatsFrame) -> None:
+        e = stats.engine
         self.engine_label.setText(
-            f"{e.get('device', '?')} · {model} · {e.get('dtype', '?')} · KV "
-            f"{e.get('kv_dtype', '?')}{rotation_text(e)}{anchors_text(e)} · block {e.get('block_size', '?')} · "
-            f"{human_bytes(e.get('kv_cache_bytes'))} KV · up {stats.uptime_s:.0f} s")
-        http = stats.server.get("http_in_flight")
-        self.blocks_label.setText(f"blocks {e.get('num_free_blocks', 0)} free / "
-                                  f"{e.get('num_kv_blocks', 0)} total"
+            f"{e.device} · {model_name(stats.config.model)} · {e.dtype} · KV "
+            f"{e.kv_dtype}{rotation_text(e)}{anchors_text(e)} · block {e.block_size} · "
+            f"{human_bytes(e.kv_cache_bytes)} KV · up {stats.uptime_s:.0f} s")
+        http = stats.server.http_in_flight
+        self.blocks_label.setText(f"blocks {e.num_free_blocks} free / {e.num_kv_blocks} total"
                                   + (f" · {http} via HTTP" if http else ""))
 
     def show_stream(self, counts, fps: float) -> None:
@@ -135,18 +132,23 @@ class EngineStatusBar(QStatusBar):
             self.stateChanged.emit(state)
 
 
-def rotation_text(engine_stats: dict) -> str:
+def model_name(model: str) -> str:
+    """EngineSettings.model as the user knows it: the embedded model by name, else the
+    checkpoint's folder or file name."""
+    return "SmolLM2-135M-Instruct (embedded)" if model == "default" else Path(model).name
+
+
+def rotation_text(engine_stats: EngineStats) -> str:
     """' + Hadamard' (or the matrix the head dim got) when the engine stores K/V rotated, and
     ' + K balance' when the keys are also calibrated (kv_rotation "calibrated")."""
-    rotation = engine_stats.get("kv_rotation")
-    if rotation in (None, "none"):
+    if engine_stats.kv_rotation == "none":
         return ""
-    text = f" + {engine_stats.get('kv_rotation_matrix') or 'Hadamard'}"
-    return text + " + K balance" if rotation == "calibrated" else text
+    text = f" + {engine_stats.kv_rotation_matrix or 'Hadamard'}"
+    return text + " + K balance" if engine_stats.kv_rotation == "calibrated" else text
 
 
-def anchors_text(engine_stats: dict) -> str:
+def anchors_text(engine_stats: EngineStats) -> str:
     """' + 4 exact' when a 1-byte pool keeps its openings' first positions exact
     (EngineConfig.kv_anchor_tokens)."""
-    n = engine_stats.get("kv_anchor_tokens") or 0
+    n = engine_stats.kv_anchor_tokens
     return f" + {n} exact" if n > 0 else ""

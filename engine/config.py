@@ -2,13 +2,19 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, NoReturn
+
+from kvscope.ipc.messages import EngineSettings
+
+if TYPE_CHECKING:  # annotations only: at run time the functions below import torch lazily
+    import torch
 
 KV_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8")
 # K/V rotation (kernels/rotation.py) and the exact K shift and q/k balance on top of it
 # (kernels/k_balance.py, calibrated once per model by engine/kv_calibration.py):
 # "calibrated" = Hadamard + K balance, "hadamard" = the rotation alone, "none" = plain.
 # "auto": "calibrated" for the 1-byte dtypes, where it halves int8's KL from float32 again
-# after the rotation's 4.4x (fp8: 1.9x in all; benchmarks/kv_accuracy.py, README "KV dtypes"),
+# after the rotation's 4.4x (fp8: 1.9x in all; benchmarks/kv_accuracy.py, docs/kv-dtypes.md),
 # "none" for the float ones, where nothing is lost to begin with.
 KV_ROTATIONS = ("auto", "calibrated", "hadamard", "none")
 MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -16,19 +22,19 @@ DEVICES = ("auto", "cpu", "cuda")
 # Matmul weights: dense in the model dtype, or weight-only int4 / int8 (CPU); see
 # engine.weight_formats. 'auto' by default (resolve_weights): int4 on a CPU when the
 # checkpoint is 4-bit already (the embedded Q4_1 GGUF), where it is about twice the speed of
-# dense float32 and agrees with Hugging Face float32 on most greedy replies (README "Speed on
-# CPU"); dense everywhere else. 'dense' is the token-exact choice.
+# dense float32 and agrees with Hugging Face float32 on most greedy replies
+# (docs/cpu-speed.md); dense everywhere else. 'dense' is the token-exact choice.
 WEIGHT_FORMATS = ("auto", "dense", "int4", "int8")
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
 # Anchor tokens (engine/kv_anchors.py): a 1-byte pool keeps the first N positions of each
 # opening exact in a small fixed table beside it (no bytes per token); 0 turns them off.
 # 4 by default: on the embedded model int8's mean KL from float32 KV falls 40 %
-# (benchmarks/kv_accuracy.py, README "KV dtypes"). Float pools ignore it.
+# (benchmarks/kv_accuracy.py, docs/kv-dtypes.md). Float pools ignore it.
 DEFAULT_KV_ANCHOR_TOKENS = 4
 MAX_KV_ANCHOR_TOKENS = 64
 
 
-def _fail(field: str, value, allowed: str) -> None:
+def _fail(field: str, value: object, allowed: str) -> NoReturn:
     raise ValueError(f"EngineConfig.{field}={value!r} is invalid: expected {allowed}")
 
 
@@ -94,11 +100,15 @@ class EngineConfig:
         if not _is_int(self.seed):
             _fail("seed", self.seed, "an integer")
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, str | int | bool | None]:
         return asdict(self)
 
+    def settings(self) -> EngineSettings:
+        """This configuration as the wire carries it (hello, reconfigure, stats frames)."""
+        return EngineSettings(**asdict(self))
 
-def _is_int(x) -> bool:
+
+def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -113,16 +123,17 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def resolve_dtype(dtype: str, device: str):
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     """'auto' means float32 on CPU (bf16 matmuls are slow there) and bfloat16 on CUDA."""
     import torch
 
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"
-    return getattr(torch, dtype)
+    resolved: torch.dtype = getattr(torch, dtype)  # getattr is Any; MODEL_DTYPES are dtypes
+    return resolved
 
 
-def resolve_kv_dtype(kv_dtype: str, model_dtype: str, device: str):
+def resolve_kv_dtype(kv_dtype: str, model_dtype: str, device: str) -> torch.dtype:
     """The pool's storage dtype; 'auto' follows the model. Refuses what the device can't do."""
     import torch
 
@@ -130,7 +141,8 @@ def resolve_kv_dtype(kv_dtype: str, model_dtype: str, device: str):
         return resolve_dtype(model_dtype, device)
     if kv_dtype == "int8":
         return torch.int8
-    dtype = torch.float8_e4m3fn if kv_dtype == "fp8" else getattr(torch, kv_dtype)
+    # getattr is Any; the other KV_DTYPES left here name torch dtypes
+    dtype: torch.dtype = torch.float8_e4m3fn if kv_dtype == "fp8" else getattr(torch, kv_dtype)
     if device == "cuda":
         check_cuda_supports(kv_dtype, dtype)
     return dtype
@@ -146,7 +158,7 @@ def resolve_kv_rotation(kv_rotation: str, kv_dtype_name: str) -> str:
     return kv_rotation
 
 
-def check_cuda_supports(name: str, dtype) -> None:
+def check_cuda_supports(name: str, dtype: torch.dtype) -> None:
     import torch
 
     major, minor = torch.cuda.get_device_capability()

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import replace
+from typing import Any, Protocol
 
 import torch
 
@@ -24,12 +26,14 @@ from kvscope.engine.kv_calibration import calibrate_k_balance
 from kvscope.engine.loader import LoadedModel, load_model
 from kvscope.engine.model import PagedLlama
 from kvscope.engine.model_runner import ModelRunner
-from kvscope.engine.outputs import RequestOutput, TokenDelta
+from kvscope.engine.outputs import RequestOutput, StepResult, TokenDelta
 from kvscope.engine.sampler import make_generator, sample
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.scheduler import ScheduledSeq, Scheduler
 from kvscope.engine.sequence import Sequence
 from kvscope.engine.weight_formats import resolve_weights
+from kvscope.ipc.messages import EngineStats
+from kvscope.kernels.k_balance import KBalanceLayer
 from kvscope.kernels.rotation import matrix_name
 
 
@@ -42,7 +46,26 @@ RECONFIGURABLE = frozenset({"block_size", "kv_dtype", "kv_rotation", "kv_anchor_
                             "max_num_batched_tokens", "enable_prefix_caching"})
 
 
+class StepRecorder(Protocol):
+    """What the engine calls while a trace records (engine.traces.recorder.TraceRecorder, a
+    layer above the core, attaches itself as `LLMEngine.trace`)."""
+
+    def on_arrival(self, seq: Sequence) -> None: ...
+    def on_abort(self, seq: Sequence) -> None: ...
+    def on_reconfigure(self, engine: LLMEngine, live: Iterable[Sequence]) -> None: ...
+    def record_step(self, engine: LLMEngine, step: Callable[[], StepResult]) -> StepResult: ...
+    def close(self) -> None: ...
+
+
 class LLMEngine:
+    # What _build_pool makes from the config in force, and rebuilds on every reconfigure.
+    kv_dtype: torch.dtype
+    kv_rotation: str
+    pool: KVPool
+    block_manager: BlockManager
+    scheduler: Scheduler
+    runner: ModelRunner
+
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         config.validate()
         self.config = config
@@ -66,18 +89,24 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self._ids = itertools.count()
         self._rng = make_generator(config.seed)
-        self.trace = None  # an engine.traces.recorder.TraceRecorder while recording
-        self._build_pool()
+        self.trace: StepRecorder | None = None  # while a trace records
+        # The model's calibrated K balance (kernels/k_balance.py), per layer: computed the
+        # first time a pool wants it, then kept across reconfigures. None: not computed yet.
+        self._k_balance_layers: list[KBalanceLayer] | None = None
+        self._build_pool(previous=None)
 
     # -- pool ------------------------------------------------------------------------------
-    def _kv_torch_dtype(self, config: EngineConfig):
+    def _kv_torch_dtype(self, config: EngineConfig) -> torch.dtype:
         return resolve_kv_dtype(config.kv_dtype, config.dtype, self.device)
 
-    def _build_pool(self) -> None:
+    def _build_pool(self, previous: Scheduler | None) -> None:
+        """The pool, block manager, scheduler and runner for the config in force. `previous`
+        is the scheduler being replaced (its preemption count is cumulative)."""
         cfg, shape = self.config, self.model.shape
         self.kv_dtype = self._kv_torch_dtype(cfg)
         self.kv_rotation = resolve_kv_rotation(cfg.kv_rotation, kv_dtype_name(self.kv_dtype))
-        self.pool = None  # let the old pool go before the new one is allocated
+        if previous is not None:  # let the old pool go (the runner holds it too) first
+            del self.runner, self.pool
         per_token = kv_bytes_per_token(shape, self.kv_dtype)
         num_blocks = cfg.num_kv_blocks or num_blocks_for_budget(
             cfg.kv_cache_bytes, cfg.block_size, per_token)
@@ -89,25 +118,26 @@ class LLMEngine:
                                     self.kv_rotation, self._k_balance(self.kv_rotation),
                                     cfg.kv_anchor_tokens)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        old = getattr(self, "scheduler", None)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens)
-        if old is not None:
-            self.scheduler.num_preemptions = old.num_preemptions
+        if previous is not None:
+            self.scheduler.num_preemptions = previous.num_preemptions
         self.runner = ModelRunner(self.model, self.pool)
 
-    def _k_balance(self, rotation: str):
+    def _k_balance(self, rotation: str) -> list[KBalanceLayer] | None:
         """The model's calibrated K balance when the pool wants it: computed on first use
         (one forward pass over engine.kv_calibration's text) and kept across reconfigures."""
         if rotation != "calibrated":
             return None
-        if getattr(self, "_k_balance_layers", None) is None:
+        if self._k_balance_layers is None:
             self._k_balance_layers = calibrate_k_balance(self.model, self.tokenizer,
                                                          self.max_model_len)
         return self._k_balance_layers
 
     # -- reconfigure -----------------------------------------------------------------------
-    def reconfigure(self, **changes) -> EngineConfig:
+    # Any: each value's type is its field's (the wire's changes are dict[str, Scalar]), which
+    # replace() checks at run time through EngineConfig.validate.
+    def reconfigure(self, **changes: Any) -> EngineConfig:
         """Rebuild the KV pool under new settings while requests are in flight.
 
         Running requests are preempted (recompute) onto the new pool, in their order, so no
@@ -121,13 +151,13 @@ class LLMEngine:
         new = replace(self.config, **changes)  # validates
         live = list(self.scheduler.running) + list(self.scheduler.waiting)
         self._check_pool_holds(new, live)
-        old = self.config
+        old, previous = self.config, self.scheduler
         self.config = new
         try:
-            self._build_pool()
+            self._build_pool(previous)
         except Exception:
             self.config = old
-            self._build_pool()
+            self._build_pool(previous)
             raise
         if self.trace is not None:
             self.trace.on_reconfigure(self, live)
@@ -170,7 +200,9 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty: give at least one character or token")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+            # transformers' encode reaches mypy as Any; it returns the ids as a list of ints
+            ids: list[int] = self.tokenizer.encode(prompt, add_special_tokens=False)
+            return ids
         vocab = self.model.shape.vocab_size
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
@@ -219,24 +251,24 @@ class LLMEngine:
             self.trace = None
 
     # -- the step --------------------------------------------------------------------------
-    def step(self) -> list[TokenDelta]:
+    def step(self) -> StepResult:
+        """Schedule, run the model once, sample: what was scheduled and what came out."""
         if self.trace is not None:
             return self.trace.record_step(self, self._step)
         return self._step()
 
-    def _step(self) -> list[TokenDelta]:
+    def _step(self) -> StepResult:
         batch = self.scheduler.schedule()
         deltas = [TokenDelta(s.request_id, [], "", True, s.finish_reason)
                   for s in self._drain_capacity_finishes()]
         if not batch:
-            return deltas
+            return StepResult(deltas, [])
         logits = self.runner.run(batch)
         sampling = self._advance(batch)
         if sampling:
             deltas += self._append_tokens(sampling, sample(logits, sampling))
         self.num_steps += 1
-        self.last_batch = batch
-        return deltas
+        return StepResult(deltas, batch)
 
     def _drain_capacity_finishes(self) -> list[Sequence]:
         done, self.scheduler.finished_by_capacity = self.scheduler.finished_by_capacity, []
@@ -323,33 +355,23 @@ class LLMEngine:
                              seq.text, seq.finish_reason, seq.num_cached_tokens,
                              seq.num_preemptions)
 
-    def stats(self) -> dict:
-        bm = self.block_manager
-        return {
-            "num_kv_blocks": bm.num_blocks,
-            "block_size": bm.block_size,
-            "kv_dtype": kv_dtype_name(self.kv_dtype),
-            "kv_rotation": self.kv_rotation,
-            "kv_rotation_matrix": matrix_name(self.model.shape.head_dim)
-            if self.kv_rotation != "none" else None,
-            "kv_bytes_per_token": self.pool.bytes_per_token,
-            "kv_anchor_tokens": self.pool.anchor_table.num_tokens
-            if self.pool.anchor_table is not None else 0,
-            "kv_anchor_bytes": self.pool.anchor_nbytes,
-            "kv_cache_bytes": self.pool.nbytes,
-            "num_free_blocks": bm.num_free_blocks,
-            "num_cached_blocks": bm.num_cached_free_blocks,
-            "num_used_blocks": bm.num_used_blocks,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_steps": self.num_steps,
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_prompt_tokens": self.num_prompt_tokens,
-            "num_generated_tokens": self.num_generated_tokens,
-            "prefix_cache_queries": bm.prefix_queries,
-            "prefix_cache_hits": bm.prefix_hits,
-            "max_model_len": self.max_model_len,
-            "device": self.device,
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "weights": self.weights,
-        }
+    def stats(self) -> EngineStats:
+        bm, pool = self.block_manager, self.pool
+        rotated = self.kv_rotation != "none"
+        return EngineStats(
+            num_kv_blocks=bm.num_blocks, block_size=bm.block_size,
+            kv_dtype=kv_dtype_name(self.kv_dtype), kv_rotation=self.kv_rotation,
+            kv_rotation_matrix=matrix_name(self.model.shape.head_dim) if rotated else None,
+            kv_bytes_per_token=pool.bytes_per_token,
+            kv_anchor_tokens=pool.anchor_table.num_tokens
+            if pool.anchor_table is not None else 0,
+            kv_anchor_bytes=pool.anchor_nbytes, kv_cache_bytes=pool.nbytes,
+            num_free_blocks=bm.num_free_blocks, num_cached_blocks=bm.num_cached_free_blocks,
+            num_used_blocks=bm.num_used_blocks,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generated_tokens=self.num_generated_tokens,
+            prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits,
+            max_model_len=self.max_model_len, device=self.device,
+            dtype=str(self.dtype).removeprefix("torch."), weights=self.weights)

@@ -1,7 +1,10 @@
-"""What the engine hands back: per-step token deltas and finished request outputs."""
+"""What the engine hands back: each step's result (its batch and token deltas) and finished
+request outputs."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from kvscope.engine.scheduler import ScheduledSeq
 
 
 @dataclass
@@ -13,6 +16,22 @@ class TokenDelta:
     finish_reason: str | None = None
 
 
+@dataclass(frozen=True)
+class StepResult:
+    """What one LLMEngine.step() did, handed on explicitly (as vLLM hands on its
+    SchedulerOutput): the batch it ran and the token deltas that came out of it.
+
+    scheduled is empty when no model step ran (nothing had work); outputs may still hold
+    the finishes of requests that could never fit the pool."""
+    outputs: list[TokenDelta]
+    scheduled: list[ScheduledSeq]
+
+    @property
+    def ran(self) -> bool:
+        """Whether a model step ran (LLMEngine.num_steps moved)."""
+        return bool(self.scheduled)
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -22,7 +41,7 @@ class RequestOutput:
     finish_reason: str | None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
-    metrics: dict = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:

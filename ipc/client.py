@@ -22,10 +22,11 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeAlias, TypedDict, TypeVar, cast
 
 import msgspec
 import zmq
@@ -36,6 +37,10 @@ from kvscope.ipc import messages as m
 from kvscope.ipc.curve import secure_client_socket
 from kvscope.ipc.endpoints import is_ipv6, state_endpoint_for
 from kvscope.ipc.keys import ClientKeys
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance  # "any dataclass instance": engine.SamplingParams
+    from typing_extensions import Self  # typing.Self is 3.11+
 
 POLL_S = 0.1  # how often the I/O thread looks at the clock when nothing arrives
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -67,17 +72,35 @@ class Completion:
     last: m.Delta | None = None  # carries the final timings
 
 
+# What submit() takes: text, chat messages ({"role", "content"} dicts) or token ids.
+Prompt = str | Iterable[int] | Iterable[dict[str, str]]
+# And its sampling: ipc.messages.Sampling, a map of its fields or a dataclass with them.
+SamplingArg: TypeAlias = "m.Sampling | Mapping[str, object] | DataclassInstance | None"
+# What public methods hand the client thread through the outbox.
+_Op = (tuple[Literal["send"], bytes] | tuple[Literal["sub", "unsub"], str]
+       | tuple[Literal["close"], None])
+_R = TypeVar("_R")
+
+
 @dataclass
-class _Call:
-    future: Future
-    result_type: type
-    on_ok: Callable | None = None
+class _Call(Generic[_R]):
+    future: Future[_R]
+    result_type: type[_R]
+    on_ok: Callable[[_R], None] | None = None
 
 
 @dataclass
 class _Stream:
-    deltas: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    deltas: queue.SimpleQueue[m.Delta | BaseException] = field(
+        default_factory=queue.SimpleQueue)
     callback: Callable[[m.Delta], None] | None = None
+
+
+class _PromptFields(TypedDict, total=False):
+    """Submit's prompt fields: exactly one of them."""
+    prompt: str
+    messages: list[m.ChatMessage]
+    token_ids: list[int]
 
 
 class EngineClient:
@@ -96,15 +119,16 @@ class EngineClient:
         self.max_message_bytes = m.DEFAULT_MAX_MESSAGE_BYTES
         self.dropped_deltas = 0  # deltas for requests this client does not follow
         self.bad_messages = 0
+        self.last_bad_message: str | None = None  # why the newest refused frame was refused
         self.missed: dict[str, int] = dict.fromkeys(m.TOPICS, 0)  # frames lost, by seq gaps
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._frames = threading.Condition(self._lock)
-        self._calls: dict[int, _Call] = {}
+        self._calls: dict[int, _Call[Any]] = {}  # Any: each call has its own result type
         self._streams: dict[str, _Stream] = {}
-        self._latest: dict[str, object] = {}
-        self._frame_callbacks: dict[str, list[Callable]] = {}
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._latest: dict[str, codec.StateFrame] = {}
+        self._frame_callbacks: dict[str, list[Callable[[str, object], None]]] = {}
+        self._outbox: queue.SimpleQueue[_Op] = queue.SimpleQueue()
         # Commands the DEALER would not take yet: it has no pipe while a refused handshake
         # is retried, and a blocking send there would stall this thread (and the heartbeat
         # check that turns silence into EngineDead).
@@ -123,7 +147,7 @@ class EngineClient:
         self._thread = threading.Thread(target=self._run, name="kvscope-client", daemon=True)
         self._thread.start()
 
-    def _connect(self) -> tuple[zmq.Socket, zmq.Socket]:
+    def _connect(self) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
         dealer = self._ctx.socket(zmq.DEALER)
         # A fixed routing id: after a reconnect the engine still knows whose streams are whose.
         dealer.setsockopt(zmq.ROUTING_ID, b"kvscope-" + uuid.uuid4().bytes)
@@ -161,7 +185,8 @@ class EngineClient:
         self.max_message_bytes = result.max_message_bytes
         return result
 
-    def submit(self, prompt, sampling=None, *, request_id: str | None = None,
+    def submit(self, prompt: Prompt, sampling: SamplingArg = None, *,
+               request_id: str | None = None,
                on_delta: Callable[[m.Delta], None] | None = None,
                timeout: float | None = None) -> str:
         """prompt: text, chat messages ([{"role", "content"}, ...]) or token ids.
@@ -203,7 +228,8 @@ class EngineClient:
                 raise item
             return item
 
-    def generate(self, prompt, sampling=None, timeout: float | None = None) -> Completion:
+    def generate(self, prompt: Prompt, sampling: SamplingArg = None,
+                 timeout: float | None = None) -> Completion:
         """Submit and collect the whole reply."""
         rid = self.submit(prompt, sampling, timeout=timeout)
         out = Completion(rid)
@@ -216,7 +242,8 @@ class EngineClient:
     def abort(self, request_id: str, timeout: float | None = None) -> m.AbortResult:
         return self._call(m.Abort(id=0, request_id=request_id), m.AbortResult, timeout)
 
-    def reconfigure(self, timeout: float | None = None, **options) -> dict:
+    def reconfigure(self, timeout: float | None = None, **options: m.Scalar
+                    ) -> m.EngineSettings:
         """Change engine options while it runs; returns the configuration now in force.
         A refused change raises EngineError("refused", reason) and the old one stays."""
         result = self._call(m.Reconfigure(id=0, changes=options), m.ReconfigureResult,
@@ -238,14 +265,15 @@ class EngineClient:
     def trace_stop(self, timeout: float | None = None) -> m.TraceResult:
         return self._call(m.TraceStop(id=0), m.TraceResult, timeout)
 
-    def _call(self, cmd, result_type: type, timeout: float | None, on_ok=None):
+    def _call(self, cmd: m.Command, result_type: type[_R], timeout: float | None,
+              on_ok: Callable[[_R], None] | None = None) -> _R:
         self._check_alive()
         cmd.id = next(self._ids)
         payload = codec.encode(cmd)
         if len(payload) > self.max_message_bytes:
             raise ValueError(f"message of {len(payload)} bytes exceeds the engine's limit of "
                              f"{self.max_message_bytes}")
-        call = _Call(Future(), result_type, on_ok)
+        call: _Call[_R] = _Call(Future(), result_type, on_ok)
         with self._lock:
             self._calls[cmd.id] = call
         self._post(("send", payload))
@@ -259,7 +287,8 @@ class EngineClient:
             with self._lock:
                 self._calls.pop(cmd.id, None)
 
-    def _open_stream(self, request_id: str, callback) -> None:
+    def _open_stream(self, request_id: str, callback: Callable[[m.Delta], None] | None
+                     ) -> None:
         with self._lock:
             self._streams[request_id] = _Stream(callback=callback)
 
@@ -279,19 +308,21 @@ class EngineClient:
             if topic != "heartbeat":
                 self._post(("unsub", topic))
 
-    def latest(self, topic: str):
+    def latest(self, topic: str) -> codec.StateFrame | None:
         with self._lock:
             return self._latest.get(topic)
 
     def wait_frame(self, topic: str, timeout: float | None = None,
-                   predicate: Callable[[object], bool] | None = None):
+                   predicate: Callable[[object], bool] | None = None) -> codec.StateFrame:
         """The first frame of topic newer than the one held now that satisfies predicate."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._frames:
             seen = self._latest.get(topic)
             while True:
                 frame = self._latest.get(topic)
-                if frame is not seen and (predicate is None or predicate(frame)):
+                # (not None: a topic's newest frame is only ever replaced by a newer one)
+                if frame is not None and frame is not seen \
+                        and (predicate is None or predicate(frame)):
                     return frame
                 seen = frame
                 left = deadline - time.monotonic()
@@ -313,13 +344,13 @@ class EngineClient:
         self._wake_w.close()
         self._ctx.term()
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _post(self, op) -> None:
+    def _post(self, op: _Op) -> None:
         self._outbox.put(op)
         try:
             self._wake_w.send(b"!")
@@ -344,7 +375,7 @@ class EngineClient:
             self._fail_all(RuntimeError("the client is closed"))
 
     def _serve_once(self, poller: zmq.Poller) -> bool:
-        events = dict(poller.poll(POLL_S * 1000))
+        events = dict(poller.poll(round(POLL_S * 1000)))
         self._send_unsent()
         if self._wake_fd in events and not self._drain_outbox():
             return False
@@ -365,20 +396,21 @@ class EngineClient:
             pass
         while True:
             try:
-                op, arg = self._outbox.get_nowait()
+                op = self._outbox.get_nowait()
             except queue.Empty:
                 return True
-            if op == "close":
+            # op[0], not an unpacked name: mypy narrows op[1] by comparing op[0] only
+            if op[0] == "close":
                 return False
-            if op == "send":
-                self._unsent.append(arg)
+            if op[0] == "send":
+                self._unsent.append(op[1])
                 self._send_unsent()
-            elif op == "sub":
-                self._sub.subscribe(arg.encode())
-            elif op == "unsub":
-                self._sub.unsubscribe(arg.encode())
+            elif op[0] == "sub":
+                self._sub.subscribe(op[1].encode())
+            elif op[0] == "unsub":
+                self._sub.unsubscribe(op[1].encode())
 
-    def _drain(self, sock: zmq.Socket, handle) -> None:
+    def _drain(self, sock: zmq.Socket[bytes], handle: Callable[[list[bytes]], None]) -> None:
         for _ in range(1000):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -413,7 +445,7 @@ class EngineClient:
             self._resolve(call, msg)
 
     @staticmethod
-    def _resolve(call: _Call, msg: m.Ok) -> None:
+    def _resolve(call: _Call[Any], msg: m.Ok) -> None:
         try:
             result = codec.decode_result(msg.result, call.result_type)
             if call.on_ok is not None:
@@ -436,8 +468,12 @@ class EngineClient:
             stream.deltas.put(delta)
 
     def _on_state(self, frames: list[bytes]) -> None:
-        topic = frames[0].decode()
-        frame = codec.decode_state(topic, frames[1])
+        topic = frames[0].decode(errors="replace")
+        try:
+            frame = codec.decode_state(topic, frames[1])
+        except codec.BadMessage as exc:
+            self._refuse_frame(exc.message)
+            return
         with self._frames:
             old = self._latest.get(topic)
             if old is not None and frame.seq > old.seq + 1:
@@ -447,6 +483,14 @@ class EngineClient:
             self._frames.notify_all()
         for cb in callbacks:
             cb(topic, frame)
+
+    def _refuse_frame(self, why: str) -> None:
+        """A state frame that is not what its topic says: counted, never shown to a view.
+        Said once on stderr per reason (an engine of another build sends it ~30 times a s)."""
+        self.bad_messages += 1
+        if why != self.last_bad_message:
+            print(f"kvscope: refused a state frame: {why}", file=sys.stderr)
+        self.last_bad_message = why
 
     def _check_heartbeat(self) -> None:
         silent = time.monotonic() - self._last_seen
@@ -510,23 +554,34 @@ class EngineClient:
                 stream.deltas.put(exc)
 
 
-def _prompt_fields(prompt) -> dict:
+def _prompt_fields(prompt: Prompt) -> _PromptFields:
     if isinstance(prompt, str):
         return {"prompt": prompt}
-    prompt = list(prompt)
-    if prompt and all(isinstance(x, dict) for x in prompt):
-        return {"messages": [m.ChatMessage(x.get("role"), x.get("content")) for x in prompt]}
-    return {"token_ids": prompt}
+    items: list[object] = list(prompt)
+    if items and all(isinstance(x, dict) for x in items):
+        chat = cast("list[dict[str, Any]]", items)  # every item is a dict: just checked
+        return {"messages": [_chat_message(x) for x in chat]}
+    # The engine checks the ids (ints inside its vocabulary): no second check here.
+    return {"token_ids": cast("list[int]", items)}
 
 
-def _sampling(sampling) -> m.Sampling:
+def _chat_message(message: dict[str, Any]) -> m.ChatMessage:
+    # A missing or odd role or content goes out as it is (a Struct checks nothing when built)
+    # for the engine to refuse by field name, as it refuses every other bad value.
+    return m.ChatMessage(message.get("role"), message.get("content"))  # type: ignore[arg-type]
+
+
+def _sampling(sampling: SamplingArg) -> m.Sampling:
     if sampling is None:
         return m.Sampling()
     if isinstance(sampling, m.Sampling):
         return sampling
-    if dataclasses.is_dataclass(sampling):
-        sampling = dataclasses.asdict(sampling)
-    return msgspec.convert(dict(sampling), m.Sampling)
+    if dataclasses.is_dataclass(sampling) and not isinstance(sampling, type):
+        return msgspec.convert(dataclasses.asdict(sampling), m.Sampling)
+    # A map is all SamplingArg leaves (mypy keeps a dataclass class, which the protocol also
+    # matches: dict() refuses that one, as before).
+    fields = cast("Mapping[str, object]", sampling)
+    return msgspec.convert(dict(fields), m.Sampling)
 
 
 def _topics(topics: Iterable[str]) -> list[str]:

@@ -12,11 +12,16 @@ compute rates itself.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+if TYPE_CHECKING:  # annotations only: at run time numpy is imported inside BlocksFrame.array
+    import numpy.typing as npt
+
+# 2: the stats frame's engine/config/server parts and the hello/reconfigure configs became
+# typed structs (EngineStats, EngineSettings, ServerCounters) instead of free-form maps.
+PROTOCOL_VERSION = 2
 # Bigger command frames are refused by libzmq itself (ZMQ_MAXMSGSIZE) and the peer dropped.
 DEFAULT_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 
@@ -125,13 +130,90 @@ class Deltas(msgspec.Struct, tag_field="type", tag="deltas"):
 Reply = Ok | Error | Deltas
 
 
+# -- the engine's settings and counters ------------------------------------------------------
+class EngineSettings(msgspec.Struct, kw_only=True):
+    """The EngineConfig in force, as it was given: "auto" stays "auto" here (EngineStats has
+    what it resolved to). Field for field engine.config.EngineConfig."""
+    model: str  # "default", a checkpoint folder or a .gguf file
+    device: str  # "auto", "cpu", "cuda"
+    dtype: str
+    weights: str
+    block_size: int
+    kv_dtype: str
+    kv_rotation: str
+    kv_anchor_tokens: int
+    kv_cache_bytes: int
+    num_kv_blocks: int | None  # None: the pool's size follows from kv_cache_bytes
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int | None  # None: the model's own limit (HelloResult.max_model_len)
+    enable_prefix_caching: bool
+    seed: int
+
+
+class EngineStats(msgspec.Struct, kw_only=True):
+    """LLMEngine.stats(): the KV pool as built (resolved dtype and rotation), its blocks now,
+    the queues now, cumulative counters, and where the model runs."""
+    # the pool
+    num_kv_blocks: int
+    block_size: int
+    kv_dtype: str  # resolved: "float32", "bfloat16", "int8", "fp8", ...
+    kv_rotation: str  # resolved: "calibrated", "hadamard" or "none"
+    kv_rotation_matrix: str | None  # the head dim's rotation; None: K/V stored unrotated
+    kv_bytes_per_token: int  # scale caches included
+    kv_anchor_tokens: int  # exact first positions the pool keeps (0: none, float pools)
+    kv_anchor_bytes: int
+    kv_cache_bytes: int  # the whole pool, scale caches included
+    num_free_blocks: int  # prefix-cached ones included
+    num_cached_blocks: int
+    num_used_blocks: int
+    # the queues now
+    num_running: int
+    num_waiting: int
+    # cumulative
+    num_preemptions: int
+    num_steps: int
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    prefix_cache_queries: int  # tokens looked up
+    prefix_cache_hits: int  # tokens found
+    # the model
+    max_model_len: int
+    device: str  # "cpu", "cuda", "cuda:1"
+    dtype: str  # the model's: "float32", "bfloat16", ...
+    weights: str  # matmul weights: "dense", "int4", "int8"
+
+
+class KVEventCounters(msgspec.Struct, kw_only=True):
+    """The vLLM KV-event publisher's cumulative counters (engine.server.kv_events)."""
+    batches: int  # handed to the publisher
+    events: int
+    batches_dropped: int  # the publisher was stuck: never waited for
+    publish_s: float  # engine-thread seconds spent on them
+    replays: int  # replay requests answered
+    bad_replays: int
+
+
+class ServerCounters(msgspec.Struct, kw_only=True):
+    """The engine server's cumulative counters, and what is in flight over HTTP."""
+    requests: int  # accepted submits, ZeroMQ and HTTP
+    finished: int
+    aborted: int
+    errors: int  # commands answered with an error
+    bad_frames: int  # command frames refused before the engine saw them
+    dropped_replies: int  # replies to gone or hopelessly slow clients
+    http_in_flight: int  # live requests that came over the OpenAI HTTP API
+    publish_s: float  # engine-thread seconds spent building state frames
+    kv_events: KVEventCounters | None = None  # None: the server publishes no KV events
+
+
 # -- results ---------------------------------------------------------------------------------
 class HelloResult(msgspec.Struct):
     protocol: int
     engine_version: str
     model: str
     pid: int
-    config: dict[str, Any]
+    config: EngineSettings
     max_model_len: int
     max_message_bytes: int
     metrics_url: str | None = None  # Prometheus /metrics, when the engine serves it
@@ -150,7 +232,7 @@ class AbortResult(msgspec.Struct):
 
 
 class ReconfigureResult(msgspec.Struct):
-    config: dict[str, Any]
+    config: EngineSettings
 
 
 class ShutdownResult(msgspec.Struct):
@@ -223,8 +305,8 @@ BLOCK_HAS_HASH = 0b100
 # Per-block arrays travel as raw little-endian bytes in the narrowest integer type that holds
 # them (BlocksFrame.dtypes); only these numpy dtype strings are accepted.
 ArrayDtype = Literal["|u1", "|i1", "<u2", "<i2", "<u4", "<i4"]
-WIDE_DTYPES = {"owner": "<i4", "filled": "<u2", "ref_count": "<u2", "flags": "|u1",
-               "table_offsets": "<i4", "tables": "<i4"}
+WIDE_DTYPES: dict[str, ArrayDtype] = {"owner": "<i4", "filled": "<u2", "ref_count": "<u2",
+                                      "flags": "|u1", "table_offsets": "<i4", "tables": "<i4"}
 
 
 class BlocksFrame(msgspec.Struct, kw_only=True):
@@ -257,7 +339,7 @@ class BlocksFrame(msgspec.Struct, kw_only=True):
     # Dtype of each array; the engine narrows them, the default is the widest it sends.
     dtypes: dict[str, ArrayDtype] = msgspec.field(default_factory=lambda: dict(WIDE_DTYPES))
 
-    def array(self, name: str):
+    def array(self, name: str) -> npt.NDArray[Any]:
         import numpy as np
 
         return np.frombuffer(getattr(self, name), dtype=self.dtypes[name])
@@ -265,7 +347,9 @@ class BlocksFrame(msgspec.Struct, kw_only=True):
     def block_table(self, request_id: str) -> list[int]:
         i = self.request_ids.index(request_id)
         offsets = self.array("table_offsets")
-        return self.array("tables")[offsets[i]:offsets[i + 1]].tolist()
+        # tolist() is Any to mypy; the tables are integer arrays, so it gives ints
+        ids: list[int] = self.array("tables")[offsets[i]:offsets[i + 1]].tolist()
+        return ids
 
 
 class Percentiles(msgspec.Struct, array_like=True):
@@ -286,9 +370,9 @@ class StatsFrame(msgspec.Struct, kw_only=True):
     ttft_s: Percentiles  # over the most recent requests
     itl_s: Percentiles  # inter-token latency over the most recent tokens
     kv_usage: float  # used blocks / all blocks
-    engine: dict[str, Any]  # LLMEngine.stats(): cumulative counters, pool, device
-    config: dict[str, Any]  # the EngineConfig in force
-    server: dict[str, int | float]  # cumulative: requests, bad frames, publish_s, ...
+    engine: EngineStats  # LLMEngine.stats(): the pool, queues, cumulative counters
+    config: EngineSettings  # the EngineConfig in force
+    server: ServerCounters
 
 
 class Heartbeat(msgspec.Struct, kw_only=True):

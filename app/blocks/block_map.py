@@ -134,7 +134,7 @@ class BlockMap(QWidget):
         self._dirty = True
 
     def show_stats(self, stats) -> None:
-        self.bytes_per_token = stats.engine.get("kv_bytes_per_token")
+        self.bytes_per_token = stats.engine.kv_bytes_per_token
 
     def select_request(self, request_id: str | None) -> None:
         """Highlight a request's blocks and show its block table (None: clear)."""

@@ -124,7 +124,7 @@ class WhatFitsBox(QGroupBox):
             self.recompute()
 
     def set_engine_block_size(self, block_size: int | None) -> None:
-        """The running engine's KV block size (stats frame: engine["block_size"])."""
+        """The running engine's KV block size (StatsFrame.engine.block_size)."""
         block_size = block_size if isinstance(block_size, int) and block_size > 0 else None
         if block_size != self.engine_block_size:
             self.engine_block_size = block_size

@@ -17,6 +17,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from kvscope.ipc.messages import EngineSettings
+
 BLOCK_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 KV_DTYPES = ["auto", "float32", "float16", "bfloat16", "int8", "fp8"]
 KV_ROTATIONS = ["auto", "calibrated", "hadamard", "none"]
@@ -25,8 +27,6 @@ ROTATED_BY_DEFAULT = ("int8", "fp8")  # "auto" is "calibrated" for these (engine
 MIB = 1024 * 1024
 KEYS = ("block_size", "kv_dtype", "kv_rotation", "kv_anchor_tokens", "kv_cache_bytes",
         "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching")
-# Options an older engine may not have: not sent when its config does not name them.
-OPTIONAL = ("kv_rotation", "kv_anchor_tokens")
 MAX_ANCHOR_TOKENS = 64  # engine/config.py MAX_KV_ANCHOR_TOKENS
 
 
@@ -35,7 +35,7 @@ class ControlsPanel(QWidget):
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
-        self.config: dict = {}
+        self.config: EngineSettings | None = None  # in force; None before an engine said
         self.busy = False
         self.block_size = QComboBox()
         self.block_size.addItems([str(b) for b in BLOCK_SIZES])
@@ -87,7 +87,7 @@ class ControlsPanel(QWidget):
         self.apply_button.setObjectName("applyButton")
         self.apply_button.clicked.connect(self.apply)
         self.revert_button = QPushButton("Revert")
-        self.revert_button.clicked.connect(lambda: self.show_config(self.config))
+        self.revert_button.clicked.connect(self.revert)
         self.progress = QProgressBar()
         self.progress.setRange(0, 0)  # indeterminate: "rebuilding"
         self.progress.setTextVisible(False)
@@ -127,18 +127,22 @@ class ControlsPanel(QWidget):
                 "enable_prefix_caching": self.prefix_caching.isChecked()}
 
     def changes(self) -> dict:
-        """What differs from the configuration in force."""
+        """What differs from the configuration in force (everything, before there is one)."""
+        values = self.values()
+        if self.config is None:
+            return values
         out = {}
-        for key, value in self.values().items():
-            current = self.config.get(key)
-            if key in OPTIONAL and current is None:
-                continue  # an engine without the option: nothing to change there
-            if key == "kv_cache_bytes" and current is not None and \
-                    round(current / MIB) == value // MIB:
-                continue
+        for key, value in values.items():
+            current = getattr(self.config, key)
+            if key == "kv_cache_bytes" and round(current / MIB) == value // MIB:
+                continue  # the spin box shows whole MiB
             if current != value:
                 out[key] = value
         return out
+
+    def revert(self) -> None:
+        if self.config is not None:
+            self.show_config(self.config)
 
     def apply(self) -> None:
         changes = self.changes()
@@ -154,18 +158,18 @@ class ControlsPanel(QWidget):
         self.reconfigureRequested.emit(changes)
 
     # -- engine facts -----------------------------------------------------------------------
-    def show_config(self, config: dict) -> None:
+    def show_config(self, config: EngineSettings) -> None:
         """Load the configuration in force into the widgets (at connect and after apply)."""
-        self.config = dict(config)
-        self.block_size.setCurrentText(str(config.get("block_size", 16)))
-        self.kv_dtype.setCurrentText(str(config.get("kv_dtype", "auto")))
-        self.kv_rotation.setCurrentText(str(config.get("kv_rotation", "auto")))
-        self.kv_anchors.setValue(int(config.get("kv_anchor_tokens") or 0))
-        self.kv_budget.setValue(max(1, round(config.get("kv_cache_bytes", 256 * MIB) / MIB)))
-        self.max_seqs.setValue(int(config.get("max_num_seqs", 64)))
-        self.max_batched.setValue(int(config.get("max_num_batched_tokens", 512)))
-        self.prefix_caching.setChecked(bool(config.get("enable_prefix_caching", True)))
-        fixed = config.get("num_kv_blocks")
+        self.config = config
+        self.block_size.setCurrentText(str(config.block_size))
+        self.kv_dtype.setCurrentText(config.kv_dtype)
+        self.kv_rotation.setCurrentText(config.kv_rotation)
+        self.kv_anchors.setValue(config.kv_anchor_tokens)
+        self.kv_budget.setValue(max(1, round(config.kv_cache_bytes / MIB)))
+        self.max_seqs.setValue(config.max_num_seqs)
+        self.max_batched.setValue(config.max_num_batched_tokens)
+        self.prefix_caching.setChecked(config.enable_prefix_caching)
+        fixed = config.num_kv_blocks
         self.budget_note.setText(f"the pool is fixed at {fixed} blocks (--num-kv-blocks): "
                                  "the budget is ignored" if fixed else "")
         self.set_enabled(True)
@@ -188,12 +192,12 @@ class ControlsPanel(QWidget):
             text = f"{dtype} KV stored Hadamard-rotated: outliers spread before quantizing"
         self.rotation_note.setText(text)
 
-    def show_applied(self, config: dict) -> None:
+    def show_applied(self, config: EngineSettings) -> None:
         self.busy = False
         self.progress.hide()
         self.show_config(config)
         self.result.setProperty("state", "ok")
-        shown = {k: config.get(k) for k in KEYS}
+        shown = {k: getattr(config, k) for k in KEYS}
         self.result.setText("Applied by the engine: " + _fmt(shown))
         self._restyle()
 

@@ -18,8 +18,10 @@ import threading
 import time
 import traceback
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import msgspec
 import zmq
@@ -184,21 +186,21 @@ class EngineServer:
 
     def _step(self) -> None:
         engine = self.engine
-        before = engine.num_steps
         start = time.monotonic()
         try:
-            deltas = engine.step()
+            result = engine.step()
         except Exception:  # noqa: BLE001 - a failing step must not take the server down
             traceback.print_exc()
             self._abort_all(reason="error")
             return
-        if engine.num_steps != before:
-            self.steplog.record(engine, self.streamed, time.monotonic() - start)
+        if result.ran:
+            self.steplog.record(engine, result.scheduled, self.streamed,
+                                time.monotonic() - start)
             if self.prometheus is not None:
-                self.prometheus.on_step(sum(s.num_tokens for s in engine.last_batch))
-            for s in engine.last_batch:
+                self.prometheus.on_step(sum(s.num_tokens for s in result.scheduled))
+            for s in result.scheduled:
                 self.first_scheduled.setdefault(s.seq.request_id, start)
-        self._route(deltas)
+        self._route(result.outputs)
         self.version += 1
 
     # -- deltas ----------------------------------------------------------------------------
@@ -279,9 +281,8 @@ class EngineServer:
 
     # -- commands --------------------------------------------------------------------------
     def _command(self, who: bytes, cmd) -> None:
-        handler = getattr(self, "_cmd_" + type(cmd).__name__.lower())
         try:
-            result = handler(who, cmd)
+            result = self.HANDLERS[type(cmd)](self, who, cmd)
             reply = m.Ok(cmd.id, msgspec.Raw(codec.encode(result)))
         except CommandError as exc:
             reply = m.Error(cmd.id, exc.code, exc.message)
@@ -299,7 +300,7 @@ class EngineServer:
                                f"{m.PROTOCOL_VERSION}, the client {cmd.protocol}")
         e = self.engine
         return m.HelloResult(m.PROTOCOL_VERSION, engine_pkg.__version__, e.config.model,
-                             os.getpid(), e.config.to_dict(), e.max_model_len,
+                             os.getpid(), e.config.settings(), e.max_model_len,
                              self.max_message_bytes, self.metrics_url, self.http_url,
                              str(self.trace_dir or default_trace_dir()))
 
@@ -350,7 +351,7 @@ class EngineServer:
             raise CommandError(m.REFUSED, str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory: the old pool is back
             raise CommandError(m.REFUSED, f"{type(exc).__name__}: {exc}") from None
-        return m.ReconfigureResult(config.to_dict())
+        return m.ReconfigureResult(config.settings())
 
     def _cmd_snapshot(self, who, cmd: m.Snapshot) -> m.SnapshotResult:
         return m.SnapshotResult(self.steplog.frame(self.engine, self.topic_seq["step"],
@@ -363,7 +364,7 @@ class EngineServer:
         self.stopping = True
         return m.ShutdownResult(self._abort_all())
 
-    def _cmd_tracestart(self, who, cmd: m.TraceStart) -> m.TraceResult:
+    def _cmd_trace_start(self, who, cmd: m.TraceStart) -> m.TraceResult:
         try:
             path = trace_path_under(prepare_trace_dir(self.trace_dir), cmd.path)
         except (ValueError, OSError) as exc:
@@ -376,13 +377,19 @@ class EngineServer:
             raise CommandError(m.REFUSED, f"cannot record to {cmd.path}: {exc}") from None
         return m.TraceResult(True, str(trace.path), path.stat().st_size)
 
-    def _cmd_tracestop(self, who, cmd: m.TraceStop) -> m.TraceResult:
+    def _cmd_trace_stop(self, who, cmd: m.TraceStop) -> m.TraceResult:
         trace = self.engine.trace
         self.engine.stop_trace()
         if trace is None:
             return m.TraceResult(False)
         size = trace.path.stat().st_size if trace.path.exists() else 0
         return m.TraceResult(False, str(trace.path), size)
+
+    # Each command type of ipc.messages.Command and the method that answers it.
+    HANDLERS: ClassVar[dict[type, Callable]] = {
+        m.Hello: _cmd_hello, m.Submit: _cmd_submit, m.Abort: _cmd_abort,
+        m.Reconfigure: _cmd_reconfigure, m.Snapshot: _cmd_snapshot, m.Shutdown: _cmd_shutdown,
+        m.TraceStart: _cmd_trace_start, m.TraceStop: _cmd_trace_stop}
 
     # -- state -----------------------------------------------------------------------------
     def _maybe_publish(self) -> None:
@@ -427,12 +434,15 @@ class EngineServer:
         return self._stats(seq)
 
     def _stats(self, seq: int) -> m.StatsFrame:
-        server = dict(self.counters, bad_frames=self.io.bad_frames,
-                      http_in_flight=len(self.sources()),
-                      dropped_replies=self.io.dropped, publish_s=self.publish_s)
-        if self.kv_events is not None:
-            server.update(self.kv_events.counters())
-        return self.metrics.frame(self.engine, seq, server)
+        return self.metrics.frame(self.engine, seq, self.server_counters())
+
+    def server_counters(self) -> m.ServerCounters:
+        c = self.counters
+        return m.ServerCounters(
+            requests=c["requests"], finished=c["finished"], aborted=c["aborted"],
+            errors=c["errors"], bad_frames=self.io.bad_frames, dropped_replies=self.io.dropped,
+            http_in_flight=len(self.sources()), publish_s=self.publish_s,
+            kv_events=self.kv_events.counters() if self.kv_events is not None else None)
 
     def _send(self, who, reply) -> None:
         if not isinstance(who, bytes):  # an in-process client (the HTTP API): no socket

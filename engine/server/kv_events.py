@@ -26,6 +26,7 @@ from itertools import count
 import zmq
 
 from kvscope.engine.cache_events import BlockCached, BlockUncached
+from kvscope.ipc import messages as m
 from kvscope.ipc import vllm_kv_events as v
 from kvscope.ipc.curve import ServerAuth, secure_server_socket
 from kvscope.ipc.endpoints import is_ipv6
@@ -206,11 +207,11 @@ class CacheEventFeed:
         self.publish_s += time.perf_counter() - started
         return batch
 
-    def counters(self) -> dict[str, int | float]:
+    def counters(self) -> m.KVEventCounters:
         p = self.publisher
-        return {"kv_event_batches": self.batches, "kv_events": self.events,
-                "kv_event_batches_dropped": self.dropped, "kv_event_publish_s": self.publish_s,
-                "kv_event_replays": p.replays, "kv_event_bad_replays": p.bad_replays}
+        return m.KVEventCounters(batches=self.batches, events=self.events,
+                                 batches_dropped=self.dropped, publish_s=self.publish_s,
+                                 replays=p.replays, bad_replays=p.bad_replays)
 
     def close(self) -> None:
         """Stop the publisher thread (after the engine thread is done with this feed)."""

@@ -68,7 +68,7 @@ class FinishedRequest:
 
 @dataclass(frozen=True)
 class EngineState:
-    stats: dict  # LLMEngine.stats()
+    stats: m.EngineStats  # LLMEngine.stats()
     kv_totals: dict | None  # snapshots.block_totals(): used, cached, internal waste, ...
     device: m.DeviceFrame | None
 
@@ -191,51 +191,51 @@ def _family(kind, key: str, doc: str, value, labels: dict, unit: str = ""):
     return family
 
 
-def engine_families(stats: dict, labels: dict):
+def engine_families(stats: m.EngineStats, labels: dict):
     g, c = GaugeMetricFamily, CounterMetricFamily
-    blocks = max(1, stats["num_kv_blocks"])
+    blocks = max(1, stats.num_kv_blocks)
     yield _family(g, "num_requests_running",
-                  "Number of requests in model execution batches.", stats["num_running"], labels)
+                  "Number of requests in model execution batches.", stats.num_running, labels)
     yield _family(g, "num_requests_waiting", "Number of requests waiting to be processed.",
-                  stats["num_waiting"], labels)
+                  stats.num_waiting, labels)
     yield _family(g, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                  stats["num_used_blocks"] / blocks, labels)
+                  stats.num_used_blocks / blocks, labels)
     yield _family(g, "gpu_cache_usage_perc", "KV-cache usage (vLLM's older name, which its "
                   "example dashboard reads). 1 means 100 percent usage.",
-                  stats["num_used_blocks"] / blocks, labels)
+                  stats.num_used_blocks / blocks, labels)
     yield _family(c, "num_preemptions", "Cumulative number of preemption from the engine.",
-                  stats["num_preemptions"], labels)
+                  stats.num_preemptions, labels)
     yield _family(c, "prompt_tokens", "Number of prefill tokens processed.",
-                  stats["num_prompt_tokens"], labels)
+                  stats.num_prompt_tokens, labels)
     yield _family(c, "generation_tokens", "Number of generation tokens processed.",
-                  stats["num_generated_tokens"], labels)
+                  stats.num_generated_tokens, labels)
     yield _family(c, "prefix_cache_queries",
                   "Prefix cache queries, in terms of number of queried tokens.",
-                  stats["prefix_cache_queries"], labels)
+                  stats.prefix_cache_queries, labels)
     yield _family(c, "prefix_cache_hits",
                   "Prefix cache hits, in terms of number of cached tokens.",
-                  stats["prefix_cache_hits"], labels)
-    yield _family(c, "engine_steps", "Engine steps run.", stats["num_steps"], labels)
+                  stats.prefix_cache_hits, labels)
+    yield _family(c, "engine_steps", "Engine steps run.", stats.num_steps, labels)
     yield _family(g, "kv_cache_cached_blocks", "Free KV blocks still holding a prefix-cache "
-                  "entry (reusable until evicted).", stats["num_cached_blocks"], labels)
+                  "entry (reusable until evicted).", stats.num_cached_blocks, labels)
     yield _family(g, "kv_cache_free_blocks", "KV blocks holding nothing (cached ones not "
-                  "counted).", stats["num_kv_blocks"] - stats["num_used_blocks"]
-                  - stats["num_cached_blocks"], labels)
-    yield _family(g, "kv_cache_total_blocks", "KV blocks in the pool.", stats["num_kv_blocks"],
+                  "counted).", stats.num_kv_blocks - stats.num_used_blocks
+                  - stats.num_cached_blocks, labels)
+    yield _family(g, "kv_cache_total_blocks", "KV blocks in the pool.", stats.num_kv_blocks,
                   labels)
-    yield _family(g, "kv_block_size", "Tokens per KV block.", stats["block_size"], labels)
+    yield _family(g, "kv_block_size", "Tokens per KV block.", stats.block_size, labels)
     yield _family(g, "kv_cache_pool_bytes", "Bytes of the KV pool, scale caches included.",
-                  stats["kv_cache_bytes"], labels)
+                  stats.kv_cache_bytes, labels)
     info = GaugeMetricFamily(PREFIX + "cache_config_info", "Information of the KV cache "
                              "configuration.", labels=[*labels, "block_size", "cache_dtype",
                                                        "num_gpu_blocks"])
-    info.add_metric([*labels.values(), str(stats["block_size"]), str(stats["kv_dtype"]),
-                     str(stats["num_kv_blocks"])], 1)
+    info.add_metric([*labels.values(), str(stats.block_size), str(stats.kv_dtype),
+                     str(stats.num_kv_blocks)], 1)
     yield info
 
 
-def kv_families(totals: dict, stats: dict, labels: dict):
-    allocated = totals["used"] * stats["block_size"]
+def kv_families(totals: dict, stats: m.EngineStats, labels: dict):
+    allocated = totals["used"] * stats.block_size
     yield _family(GaugeMetricFamily, "kv_internal_waste_ratio",
                   "Allocated KV slots not holding a token (the tails of last blocks), over "
                   "all allocated slots.", totals["internal_waste_slots"] / max(1, allocated),

@@ -14,6 +14,7 @@ from collections import deque
 
 import numpy as np
 
+from kvscope.engine.scheduler import ScheduledSeq
 from kvscope.ipc import messages as m
 
 STEP_HISTORY = 512  # steps kept between two step frames; older ones are counted as dropped
@@ -29,12 +30,14 @@ class StepLog:
         self.history_dropped = 0
         self.latest: tuple[float, float, list[m.ScheduledItem]] | None = None
 
-    def record(self, engine, streamed: dict[str, int], duration_s: float) -> None:
-        """streamed: output tokens each request had streamed before this step, which tells a
-        decode (one token after its own last one) from prefill or recompute work."""
+    def record(self, engine, scheduled: list[ScheduledSeq], streamed: dict[str, int],
+               duration_s: float) -> None:
+        """scheduled: the step's batch (StepResult.scheduled). streamed: output tokens each
+        request had streamed before this step, which tells a decode (one token after its own
+        last one) from prefill or recompute work."""
         items = [m.ScheduledItem(s.seq.request_id, s.num_tokens,
                                  s.num_tokens == 1 and streamed.get(s.seq.request_id, 0) > 0)
-                 for s in engine.last_batch]
+                 for s in scheduled]
         decode = sum(1 for i in items if i.is_decode)
         now = time.time()
         self.latest = (now, duration_s, items)
@@ -199,7 +202,7 @@ class Metrics:
     def forget(self, request_id: str) -> None:
         self.last_token_at.pop(request_id, None)
 
-    def frame(self, engine, seq: int, server: dict) -> m.StatsFrame:
+    def frame(self, engine, seq: int, server: m.ServerCounters) -> m.StatsFrame:
         now = time.monotonic()
         self.totals.append((now, engine.num_prompt_tokens, engine.num_generated_tokens))
         while len(self.totals) > 2 and now - self.totals[1][0] >= RATE_WINDOW_S:
@@ -214,8 +217,8 @@ class Metrics:
             generation_tokens_per_s=(engine.num_generated_tokens - g0) / span
             if span > 0 else 0.0,
             ttft_s=percentiles(self.ttft), itl_s=percentiles(self.itl),
-            kv_usage=stats["num_used_blocks"] / max(1, stats["num_kv_blocks"]),
-            engine=stats, config=engine.config.to_dict(), server=dict(server))
+            kv_usage=stats.num_used_blocks / max(1, stats.num_kv_blocks),
+            engine=stats, config=engine.config.settings(), server=server)
 
 
 def percentiles(samples) -> m.Percentiles:

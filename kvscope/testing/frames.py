@@ -63,24 +63,48 @@ def step_frame(seq: int = 1, t: float | None = None, prefill: int = 0, decode: i
         history_dropped_total=0)
 
 
+def engine_settings(**overrides) -> m.EngineSettings:
+    """The config a tiny test engine runs with (EngineConfig's defaults); keywords override."""
+    fields = {"model": "/models/tiny", "device": "auto", "dtype": "auto", "weights": "auto",
+              "block_size": 16, "kv_dtype": "auto", "kv_rotation": "auto",
+              "kv_anchor_tokens": 4, "kv_cache_bytes": 256 * 1024 * 1024, "num_kv_blocks": None,
+              "max_num_seqs": 64, "max_num_batched_tokens": 512, "max_model_len": None,
+              "enable_prefix_caching": True, "seed": 0}
+    return m.EngineSettings(**{**fields, **overrides})
+
+
+def engine_stats(**overrides) -> m.EngineStats:
+    """LLMEngine.stats() of a 64-block float32 pool with one request running; keywords
+    override."""
+    fields = {"num_kv_blocks": 64, "block_size": 16, "kv_dtype": "float32",
+              "kv_rotation": "none", "kv_rotation_matrix": None, "kv_bytes_per_token": 2048,
+              "kv_anchor_tokens": 0, "kv_anchor_bytes": 0, "kv_cache_bytes": 64 * 16 * 2048,
+              "num_free_blocks": 60, "num_cached_blocks": 0, "num_used_blocks": 4,
+              "num_running": 1, "num_waiting": 0, "num_preemptions": 0, "num_steps": 1,
+              "num_prompt_tokens": 0, "num_generated_tokens": 0, "prefix_cache_queries": 0,
+              "prefix_cache_hits": 0, "max_model_len": 512, "device": "cpu",
+              "dtype": "float32", "weights": "dense"}
+    return m.EngineStats(**{**fields, **overrides})
+
+
+def server_counters(**overrides) -> m.ServerCounters:
+    fields = {"requests": 0, "finished": 0, "aborted": 0, "errors": 0, "bad_frames": 0,
+              "dropped_replies": 0, "http_in_flight": 0, "publish_s": 0.0}
+    return m.ServerCounters(**{**fields, **overrides})
+
+
 def stats_frame(seq: int = 1, t: float | None = None, config: dict | None = None,
-                **engine) -> m.StatsFrame:
+                server: dict | None = None, **engine) -> m.StatsFrame:
+    """config: EngineSettings fields to override; server: ServerCounters fields; any other
+    keyword: an EngineStats field (num_kv_blocks=..., kv_dtype=...)."""
     t = time.time() if t is None else t
-    eng = {"num_kv_blocks": 64, "block_size": 16, "kv_dtype": "float32",
-           "kv_bytes_per_token": 2048, "kv_cache_bytes": 64 * 16 * 2048, "num_free_blocks": 60,
-           "num_cached_blocks": 0, "num_used_blocks": 4, "device": "cpu", "dtype": "float32",
-           "max_model_len": 512, "num_running": 1, "num_waiting": 0}
-    eng.update(engine)
-    cfg = {"model": "/models/tiny", "device": "auto", "dtype": "auto", "block_size": 16,
-           "kv_dtype": "auto", "kv_cache_bytes": 268435456, "num_kv_blocks": None,
-           "max_num_seqs": 64, "max_num_batched_tokens": 512, "max_model_len": None,
-           "enable_prefix_caching": True, "seed": 0}
-    cfg.update(config or {})
     pct = m.Percentiles(0.05, 0.08, 0.1, 10)
+    stats = engine_stats(**engine)
     return m.StatsFrame(
         seq=seq, time=t, step=seq, uptime_s=10.0, window_s=5.0, prompt_tokens_per_s=100.0,
-        generation_tokens_per_s=50.0, ttft_s=pct, itl_s=pct, kv_usage=0.0625, engine=eng,
-        config=cfg, server={})
+        generation_tokens_per_s=50.0, ttft_s=pct, itl_s=pct,
+        kv_usage=stats.num_used_blocks / max(1, stats.num_kv_blocks), engine=stats,
+        config=engine_settings(**(config or {})), server=server_counters(**(server or {})))
 
 
 def heartbeat(seq: int = 1, busy: bool = False) -> m.Heartbeat:

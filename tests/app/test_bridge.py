@@ -15,7 +15,7 @@ from PySide6.QtCore import QTimer
 from kvscope.app.bridge import EngineBridge
 from kvscope.ipc import codec
 from kvscope.ipc import messages as m
-from kvscope.testing.frames import blocks_frame, heartbeat, step_frame
+from kvscope.testing.frames import blocks_frame, engine_settings, heartbeat, step_frame
 from tests.app.leaks import leaked_threads
 
 BURST = 10_000
@@ -47,8 +47,9 @@ class FakeEngine(threading.Thread):
                 if self.router.poll(5):
                     who, payload = self.router.recv_multipart()
                     cmd = codec.decode_command(payload)
-                    result = m.HelloResult(1, "fake", "fake-model", 1, {"block_size": 16},
-                                           512, m.DEFAULT_MAX_MESSAGE_BYTES)
+                    result = m.HelloResult(m.PROTOCOL_VERSION, "fake", "fake-model", 1,
+                                           engine_settings(), 512,
+                                           m.DEFAULT_MAX_MESSAGE_BYTES)
                     self.router.send_multipart(
                         [who, codec.encode(m.Ok(cmd.id, msgspec.Raw(codec.encode(result))))])
                 if time.monotonic() >= next_beat:

@@ -3,11 +3,17 @@ import os
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
-from kvscope.app.controls.panel import MIB, ControlsPanel
+import msgspec
 
-CONFIG = {"block_size": 16, "kv_dtype": "auto", "kv_cache_bytes": 256 * MIB,
-          "num_kv_blocks": None, "max_num_seqs": 64, "max_num_batched_tokens": 512,
-          "enable_prefix_caching": True}
+from kvscope.app.controls.panel import MIB, ControlsPanel
+from kvscope.testing.frames import engine_settings
+
+CONFIG = engine_settings(block_size=16, kv_dtype="auto", kv_cache_bytes=256 * MIB,
+                         kv_rotation="auto", kv_anchor_tokens=4)
+
+
+def config(**changes):
+    return msgspec.structs.replace(CONFIG, **changes)
 
 
 def test_apply_emits_changes_and_shows_applied(qtbot):
@@ -24,8 +30,8 @@ def test_apply_emits_changes_and_shows_applied(qtbot):
     assert sig.args == [{"block_size": 32, "kv_dtype": "int8", "kv_cache_bytes": 64 * MIB,
                          "enable_prefix_caching": False}]
     assert panel.busy and not panel.apply_button.isEnabled() and panel.progress.isVisibleTo(panel)
-    applied = dict(CONFIG, block_size=32, kv_dtype="int8", kv_cache_bytes=64 * MIB,
-                   enable_prefix_caching=False)
+    applied = config(block_size=32, kv_dtype="int8", kv_cache_bytes=64 * MIB,
+                     enable_prefix_caching=False)
     panel.show_applied(applied)
     assert not panel.busy and panel.apply_button.isEnabled()
     assert panel.result.property("state") == "ok"
@@ -43,7 +49,7 @@ def test_refusal_is_shown_and_config_kept(qtbot):
     panel.show_refused("the new KV pool (2 blocks of 256) cannot hold a running request")
     assert panel.result.property("state") == "error"
     assert "cannot hold a running request" in panel.result.text()
-    assert panel.config["block_size"] == 16 and panel.apply_button.isEnabled()
+    assert panel.config.block_size == 16 and panel.apply_button.isEnabled()
 
 
 def test_nothing_to_apply(qtbot):
@@ -58,7 +64,7 @@ def test_nothing_to_apply(qtbot):
 def test_kv_rotation_is_a_knob_next_to_the_dtype(qtbot):
     panel = ControlsPanel()
     qtbot.addWidget(panel)
-    panel.show_config(dict(CONFIG, kv_dtype="int8", kv_rotation="auto"))
+    panel.show_config(config(kv_dtype="int8", kv_rotation="auto"))
     assert panel.kv_rotation.currentText() == "auto"
     assert "Hadamard-rotated" in panel.rotation_note.text()  # auto: calibrated for int8
     assert "calibrated" in panel.rotation_note.text()
@@ -70,7 +76,7 @@ def test_kv_rotation_is_a_knob_next_to_the_dtype(qtbot):
     with qtbot.waitSignal(panel.reconfigureRequested) as sig:
         panel.apply_button.click()
     assert sig.args == [{"kv_rotation": "none"}]
-    panel.show_applied(dict(CONFIG, kv_dtype="int8", kv_rotation="none"))
+    panel.show_applied(config(kv_dtype="int8", kv_rotation="none"))
     assert "kv_rotation=none" in panel.result.text() and panel.changes() == {}
     panel.kv_dtype.setCurrentText("bfloat16")
     panel.kv_rotation.setCurrentText("auto")
@@ -81,23 +87,33 @@ def test_kv_rotation_is_a_knob_next_to_the_dtype(qtbot):
         ["auto", "calibrated", "hadamard", "none"]
 
 
-def test_an_engine_without_the_rotation_option_is_not_sent_one(qtbot):
+def test_the_widgets_show_the_settings_in_force_and_revert_to_them(qtbot):
     panel = ControlsPanel()
     qtbot.addWidget(panel)
-    panel.show_config(CONFIG)  # no kv_rotation or kv_anchor_tokens in it
+    panel.show_config(config(block_size=8, kv_dtype="fp8", kv_rotation="hadamard",
+                             kv_anchor_tokens=2, kv_cache_bytes=96 * MIB, max_num_seqs=7,
+                             max_num_batched_tokens=128, enable_prefix_caching=False,
+                             num_kv_blocks=300))
+    shown = panel.values()
+    assert shown == {"block_size": 8, "kv_dtype": "fp8", "kv_rotation": "hadamard",
+                     "kv_anchor_tokens": 2, "kv_cache_bytes": 96 * MIB, "max_num_seqs": 7,
+                     "max_num_batched_tokens": 128, "enable_prefix_caching": False}
+    assert "fixed at 300 blocks" in panel.budget_note.text() and panel.changes() == {}
     panel.block_size.setCurrentText("32")
     panel.kv_anchors.setValue(4)
-    assert panel.changes() == {"block_size": 32}
+    assert panel.changes() == {"block_size": 32, "kv_anchor_tokens": 4}
+    panel.revert_button.click()
+    assert panel.values() == shown and panel.changes() == {}
 
 
 def test_exact_first_tokens_is_a_knob(qtbot):
     panel = ControlsPanel()
     qtbot.addWidget(panel)
-    panel.show_config(dict(CONFIG, kv_dtype="int8", kv_anchor_tokens=4))
+    panel.show_config(config(kv_dtype="int8", kv_anchor_tokens=4))
     assert panel.kv_anchors.value() == 4 and panel.changes() == {}
     panel.kv_anchors.setValue(0)
     with qtbot.waitSignal(panel.reconfigureRequested) as sig:
         panel.apply_button.click()
     assert sig.args == [{"kv_anchor_tokens": 0}]
-    panel.show_applied(dict(CONFIG, kv_dtype="int8", kv_anchor_tokens=0))
+    panel.show_applied(config(kv_dtype="int8", kv_anchor_tokens=0))
     assert "kv_anchor_tokens=0" in panel.result.text() and panel.changes() == {}

@@ -166,8 +166,8 @@ def test_window_with_real_engine(qtbot, tmp_path):
         window.controls.apply_button.click()
         qtbot.waitUntil(lambda: not window.controls.busy, timeout=60_000)
         assert window.controls.result.property("state") == "ok", window.controls.result.text()
-        assert window.controls.config["block_size"] == 8
-        assert window.controls.config["kv_dtype"] == "int8"
+        assert window.controls.config.block_size == 8
+        assert window.controls.config.kv_dtype == "int8"
         qtbot.waitUntil(lambda: window.block_map.frame.block_size == 8, timeout=10_000)
         window.repaint_views()
         new = window.block_map.frame

@@ -11,7 +11,7 @@ from kvscope.app import settings as app_settings
 from kvscope.app.blocks.block_map import BlockMap
 from kvscope.app.status_bar import EngineStatusBar
 from kvscope.ipc import messages as m
-from kvscope.testing.frames import blocks_frame, stats_frame
+from kvscope.testing.frames import blocks_frame, engine_settings, stats_frame
 
 
 def test_block_map_marks_http_requests(qtbot):
@@ -40,7 +40,7 @@ def test_status_bar_shows_the_api_url(qtbot):
     bar = EngineStatusBar()
     qtbot.addWidget(bar)
     bar.show()
-    bar.show_hello(m.HelloResult(1, "x", "default", 1, {}, 512, 1 << 20,
+    bar.show_hello(m.HelloResult(1, "x", "default", 1, engine_settings(), 512, 1 << 20,
                                  http_url="http://127.0.0.1:8000/v1"))
     assert bar.metrics_label.isVisible()
     assert bar.metrics_label.text() == "OpenAI API: http://127.0.0.1:8000/v1"
@@ -51,7 +51,7 @@ def test_status_bar_counts_http_requests_in_flight(qtbot):
     bar = EngineStatusBar()
     qtbot.addWidget(bar)
     frame = stats_frame()
-    bar.show_stats(msgspec.structs.replace(frame, server={**frame.server, "http_in_flight": 3}))
+    bar.show_stats(stats_frame(server={"http_in_flight": 3}))
     assert bar.blocks_label.text().endswith("· 3 via HTTP")
     bar.show_stats(frame)
     assert "HTTP" not in bar.blocks_label.text()

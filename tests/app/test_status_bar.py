@@ -4,7 +4,7 @@ import os
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 from kvscope.app.status_bar import DEAD_AFTER_S, EngineStatusBar
-from kvscope.testing.frames import heartbeat, stats_frame
+from kvscope.testing.frames import engine_settings, heartbeat, stats_frame
 
 
 def test_dead_when_heartbeats_stop(qtbot):
@@ -48,11 +48,12 @@ def test_metrics_url_is_shown_only_when_served(qtbot):
     bar = EngineStatusBar()
     qtbot.addWidget(bar)
     bar.show()
-    hello = m.HelloResult(1, "x", "default", 1, {}, 512, 1 << 20, "http://127.0.0.1:9100/metrics")
+    hello = m.HelloResult(1, "x", "default", 1, engine_settings(), 512, 1 << 20,
+                          "http://127.0.0.1:9100/metrics")
     bar.show_hello(hello)
     assert bar.metrics_label.isVisible()
     assert bar.metrics_label.text() == "metrics: http://127.0.0.1:9100/metrics"
-    bar.show_hello(m.HelloResult(1, "x", "default", 1, {}, 512, 1 << 20))
+    bar.show_hello(m.HelloResult(1, "x", "default", 1, engine_settings(), 512, 1 << 20))
     assert not bar.metrics_label.isVisible() and bar.metrics_label.text() == ""
     bar.stop_watching()
 

@@ -85,4 +85,4 @@ def test_a_request_outgrowing_the_whole_pool_ends_with_length(tmp_path):
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=40, ignore_eos=True))[0]
     assert out.finish_reason == "length"
     assert len(out.prompt_token_ids) + len(out.token_ids) == 16 + 1
-    assert llm.stats()["num_free_blocks"] == 4
+    assert llm.stats().num_free_blocks == 4

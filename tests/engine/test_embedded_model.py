@@ -73,7 +73,7 @@ def test_greedy_equals_hf_generate(loaded, prompts, hf_outputs, block_size):
         assert out.finish_reason in ("stop", "length")
         assert out.text == loaded.tokenizer.decode(out.token_ids, skip_special_tokens=True)
     assert any(o.finish_reason == "length" for o in outs)
-    assert llm.stats()["num_free_blocks"] == llm.stats()["num_kv_blocks"]
+    assert llm.stats().num_free_blocks == llm.stats().num_kv_blocks
 
 
 def test_greedy_equals_hf_generate_with_preemption(loaded, prompts, hf_outputs):
@@ -82,10 +82,10 @@ def test_greedy_equals_hf_generate_with_preemption(loaded, prompts, hf_outputs):
                            weights="dense"),
               loaded=loaded)
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
-    assert llm.stats()["num_preemptions"] > 0
+    assert llm.stats().num_preemptions > 0
     for out, ref in zip(outs, hf_outputs):
         assert out.token_ids == ref[:len(out.token_ids)]
-    assert llm.stats()["num_free_blocks"] == 12
+    assert llm.stats().num_free_blocks == 12
 
 
 def test_stop_string_cuts_the_text(loaded, prompts, hf_outputs):
@@ -116,7 +116,7 @@ def test_streamed_deltas_add_up_to_the_text(loaded):
                              SamplingParams(max_tokens=40, temperature=0.8, seed=3))
     pieces = []
     while engine.has_unfinished():
-        pieces += [d.text for d in engine.step() if d.request_id == rid]
+        pieces += [d.text for d in engine.step().outputs if d.request_id == rid]
     out = engine.pop_output(rid)
     assert "".join(pieces) == out.text
     assert all("\ufffd" not in p for p in pieces)

@@ -36,7 +36,7 @@ def test_rotation_cuts_int8_kl_on_the_embedded_model():
                                weights="dense", kv_anchor_tokens=0),
                   loaded=loaded)
         scores[name] = token_log_probs(llm.engine, ids)
-        assert llm.stats()["kv_rotation"] == rotation
+        assert llm.stats().kv_rotation == rotation
     kl = {n: mean_kl(scores["float32"], scores[n])
           for n in ("int8", "int8+hadamard", "int8+calibrated")}
     assert kl["int8+hadamard"] < kl["int8"] / 2, kl

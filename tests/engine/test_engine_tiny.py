@@ -45,7 +45,7 @@ def test_greedy_matches_hf_for_a_mixed_batch(tiny, block_size):
         assert out.token_ids == hf_greedy(hf, prompt, 24)
         assert out.finish_reason == "length"
         assert out.prompt_token_ids == prompt
-    assert llm.stats()["num_free_blocks"] == llm.stats()["num_kv_blocks"]
+    assert llm.stats().num_free_blocks == llm.stats().num_kv_blocks
 
 
 def test_preemption_under_a_tiny_pool_keeps_outputs_exact(tiny):
@@ -54,7 +54,7 @@ def test_preemption_under_a_tiny_pool_keeps_outputs_exact(tiny):
                            max_num_batched_tokens=64))
     prompts = random_prompts([20, 30, 25, 18], seed=7)
     outs = llm.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True))
-    assert llm.stats()["num_preemptions"] > 0
+    assert llm.stats().num_preemptions > 0
     assert any(o.num_preemptions > 0 for o in outs)
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(hf, prompt, 30)
@@ -68,7 +68,7 @@ def test_chunked_prefill_spreads_a_long_prompt_over_steps(tiny):
     out = llm.generate([prompt], SamplingParams(max_tokens=5, ignore_eos=True))[0]
     assert out.token_ids == hf_greedy(hf, prompt, 5)
     # 100 prompt tokens at 16 per step need 7 steps before the first token, then 4 decodes.
-    assert llm.stats()["num_steps"] == 7 + 4
+    assert llm.stats().num_steps == 7 + 4
 
 
 def test_prefix_caching_shares_blocks_and_keeps_outputs(tiny):
@@ -146,3 +146,45 @@ def test_abort_frees_blocks_and_others_continue(tiny):
     assert engine.pop_output(a).finish_reason == "abort"
     assert engine.pop_output(b).token_ids == hf_greedy(hf, prompts[1], 20)
     assert engine.block_manager.num_free_blocks == 64
+
+
+def test_step_returns_what_it_scheduled_and_what_came_out(tiny):
+    path, _ = tiny
+    llm = LLM(EngineConfig(model=str(path), block_size=4, num_kv_blocks=64,
+                           max_num_batched_tokens=16))
+    engine = llm.engine
+    idle = engine.step()
+    assert (idle.scheduled, idle.outputs, idle.ran) == ([], [], False)
+    long_id = engine.add_request(random_prompts([20], seed=2)[0],
+                                 SamplingParams(max_tokens=2, ignore_eos=True))
+    first = engine.step()  # 16 of the 20 prompt tokens: a prefill chunk, nothing sampled
+    assert [(s.seq.request_id, s.num_tokens) for s in first.scheduled] == [(long_id, 16)]
+    assert first.ran and first.outputs == []
+    short_id = engine.add_request([5, 6], SamplingParams(max_tokens=2, ignore_eos=True))
+    second = engine.step()  # the rest of the long prompt and all of the short one
+    assert [(s.seq.request_id, s.num_tokens) for s in second.scheduled] == \
+        [(long_id, 4), (short_id, 2)]
+    assert sorted(d.request_id for d in second.outputs) == sorted([long_id, short_id])
+    assert all(len(d.token_ids) == 1 for d in second.outputs)
+    third = engine.step()  # both decode one token and finish
+    assert [s.num_tokens for s in third.scheduled] == [1, 1]
+    assert all(d.finished and d.finish_reason == "length" for d in third.outputs)
+    assert engine.num_steps == 3
+
+
+def test_the_engine_has_every_attribute_from_init_on(tiny, request):
+    """No attribute appears later (after a step or a pool rebuild): readers never probe."""
+    path, _ = tiny
+    llm = LLM(EngineConfig(model=str(path), block_size=4, num_kv_blocks=64))
+    engine = llm.engine
+    at_init = set(vars(engine))
+    assert engine._k_balance_layers is None  # not calibrated until a pool wants it
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))
+    # Calibrated on the tiny Llama only: the tiny Qwen2's tokenizer turns the calibration
+    # text into no tokens at all (and engine.kv_calibration then fails inside torch).
+    rotation = "calibrated" if request.node.callspec.params["tiny"] == "llama" else "hadamard"
+    engine.reconfigure(block_size=8, kv_dtype="int8", kv_rotation=rotation)
+    assert (engine._k_balance_layers is not None) == (rotation == "calibrated")
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert set(vars(engine)) == at_init
+    assert engine.scheduler is not None and engine.pool is not None

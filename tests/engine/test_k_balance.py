@@ -151,7 +151,7 @@ def test_calibration_is_computed_once_and_survives_reconfigure(path, monkeypatch
     assert calls == [1] and len(again) == len(first)
     assert all(torch.equal(a.shift, b.shift) and torch.equal(a.gain, b.gain)
                for a, b in zip(again, first))
-    assert llm.stats()["kv_rotation"] == "calibrated"
+    assert llm.stats().kv_rotation == "calibrated"
     llm.engine.reconfigure(kv_rotation="hadamard")
     assert llm.engine.pool.k_balance is None and llm.engine.pool.rotation is not None
 

@@ -200,12 +200,12 @@ def test_anchors_bring_int8_closer_to_float32(engines):
 
 def test_anchors_change_no_bytes_per_token_and_report_their_table(engines):
     a, p = engines["anchored"].engine.stats(), engines["plain"].engine.stats()
-    assert a["kv_bytes_per_token"] == p["kv_bytes_per_token"]
-    assert a["num_kv_blocks"] == p["num_kv_blocks"]
-    assert a["kv_anchor_tokens"] == 4 and p["kv_anchor_tokens"] == 0
+    assert a.kv_bytes_per_token == p.kv_bytes_per_token
+    assert a.num_kv_blocks == p.num_kv_blocks
+    assert a.kv_anchor_tokens == 4 and p.kv_anchor_tokens == 0
     # 32 entries x 4 positions x (K + V) x 30 layers x 3 KV heads x 64 float32
-    assert a["kv_anchor_bytes"] == 32 * 4 * 2 * 30 * 3 * 64 * 4 and p["kv_anchor_bytes"] == 0
-    assert engines["exact"].engine.stats()["kv_anchor_tokens"] == 0  # float pools keep none
+    assert a.kv_anchor_bytes == 32 * 4 * 2 * 30 * 3 * 64 * 4 and p.kv_anchor_bytes == 0
+    assert engines["exact"].engine.stats().kv_anchor_tokens == 0  # float pools keep none
 
 
 def test_invalid_anchor_count_names_it():

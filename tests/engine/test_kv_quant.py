@@ -47,10 +47,10 @@ def test_bytes_per_token_is_the_real_pool(path, kv_dtype, elem, scale):
     llm = LLM(EngineConfig(model=str(path), kv_dtype=kv_dtype, kv_cache_bytes=1 << 20))
     stats = llm.stats()
     layers, kv_heads, head_dim = 2, 2, 16
-    assert stats["kv_bytes_per_token"] == 2 * layers * kv_heads * (head_dim * elem + scale)
-    pool_tokens = stats["num_kv_blocks"] * stats["block_size"]
-    assert stats["kv_cache_bytes"] == pool_tokens * stats["kv_bytes_per_token"]
-    assert stats["kv_dtype"] == kv_dtype
+    assert stats.kv_bytes_per_token == 2 * layers * kv_heads * (head_dim * elem + scale)
+    pool_tokens = stats.num_kv_blocks * stats.block_size
+    assert stats.kv_cache_bytes == pool_tokens * stats.kv_bytes_per_token
+    assert stats.kv_dtype == kv_dtype
 
 
 @pytest.mark.parametrize("quantized", ["int8", "fp8"])
@@ -62,7 +62,7 @@ def test_one_byte_kv_holds_at_least_1_8x_the_blocks(tmp_path, quantized):
 
     def blocks(kv_dtype):
         llm = LLM(EngineConfig(model=str(wide), kv_dtype=kv_dtype, kv_cache_bytes=4 << 20))
-        return llm.stats()["num_kv_blocks"]
+        return llm.stats().num_kv_blocks
 
     assert blocks(quantized) >= 1.8 * blocks("float16")
     assert blocks(quantized) >= 1.8 * blocks("bfloat16")
@@ -93,7 +93,7 @@ def test_scoring_equals_hugging_face_log_probs(path):
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1], -1)
     torch.testing.assert_close(token_log_probs(llm.engine, ids), ref, rtol=1e-4, atol=1e-4)
-    assert llm.stats()["num_free_blocks"] == 64
+    assert llm.stats().num_free_blocks == 64
 
 
 # The tiny random model has no outlier channels for the rotation to spread (observed KL
@@ -101,7 +101,7 @@ def test_scoring_equals_hugging_face_log_probs(path):
 # close; what the rotation gains is measured on the embedded model by `kvscope kv-accuracy`.
 # "calibrated" fits its K shift and gains on a text, and this test's prompts are random token
 # ids, whose keys a random model gives no shared structure: there the calibration costs
-# (observed int8 0.0092, fp8 0.24; README "KV dtypes"), so its bounds here are looser -- they
+# (observed int8 0.0092, fp8 0.24; docs/kv-dtypes.md), so its bounds here are looser -- they
 # still catch a broken transform, which gives nonsense.
 @pytest.mark.parametrize("kv_dtype,rotation,max_kl", [
     ("bfloat16", "auto", 1e-3), ("int8", "none", 1e-2), ("int8", "hadamard", 1e-2),
@@ -118,4 +118,4 @@ def test_quantized_kv_stays_close_to_float32(path, kv_dtype, rotation, max_kl):
     outs = llm.generate(random_prompts([5, 17], seed=1),
                         SamplingParams(max_tokens=12, ignore_eos=True))
     assert all(len(o.token_ids) == 12 for o in outs)
-    assert llm.stats()["num_free_blocks"] == 64
+    assert llm.stats().num_free_blocks == 64

@@ -145,7 +145,7 @@ def test_auto_rotates_and_balances_exactly_the_one_byte_pools(path, kv_dtype, se
     llm = LLM(EngineConfig(model=str(path), kv_dtype=kv_dtype, kv_rotation=setting,
                            num_kv_blocks=16))
     stats = llm.stats()
-    assert stats["kv_rotation"] == expected
+    assert stats.kv_rotation == expected
     assert (llm.engine.pool.rotation is not None) == (expected != "none")
     assert (llm.engine.pool.k_balance is not None) == (expected == "calibrated")
 
@@ -154,7 +154,7 @@ def test_rotation_keeps_bytes_per_token(path):
     def per_token(rotation):
         llm = LLM(EngineConfig(model=str(path), kv_dtype="int8", kv_rotation=rotation,
                                kv_cache_bytes=1 << 20))
-        return llm.stats()["kv_bytes_per_token"], llm.stats()["num_kv_blocks"]
+        return llm.stats().kv_bytes_per_token, llm.stats().num_kv_blocks
 
     assert per_token("calibrated") == per_token("hadamard") == per_token("none")
 
@@ -183,8 +183,8 @@ def test_rotation_changes_live_without_losing_a_request(path):
     # float32 KV through steps 3..11: rotated or not, the same greedy tokens up to there.
     assert all(o.token_ids[:8] == b.token_ids[:8] for o, b in zip(outs, base))
     stats = llm.stats()
-    assert (stats["kv_dtype"], stats["kv_rotation"]) == ("int8", "hadamard")
-    assert stats["num_free_blocks"] == stats["num_kv_blocks"]  # nothing leaked
+    assert (stats.kv_dtype, stats.kv_rotation) == ("int8", "hadamard")
+    assert stats.num_free_blocks == stats.num_kv_blocks  # nothing leaked
     with pytest.raises(ValueError, match="kv_rotation"):
         llm.engine.reconfigure(kv_rotation="sideways")
-    assert llm.stats()["kv_rotation"] == "hadamard"
+    assert llm.stats().kv_rotation == "hadamard"

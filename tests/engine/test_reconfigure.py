@@ -22,7 +22,7 @@ def run(llm, prompts, changes_at=None):
     while engine.has_unfinished():
         if changes_at and step in changes_at:
             engine.reconfigure(**changes_at[step])
-        for d in engine.step():
+        for d in engine.step().outputs:
             streamed[d.request_id] += d.token_ids
         step += 1
     outs = [engine.pop_output(i) for i in ids]
@@ -41,8 +41,8 @@ def test_block_size_and_budget_change_mid_generation(path):
     assert [o.token_ids for o in outs] == [o.token_ids for o in base]
     assert all(o.finish_reason == "length" for o in outs)
     stats = llm.stats()
-    assert (stats["block_size"], stats["num_kv_blocks"]) == (32, 12)
-    assert stats["num_free_blocks"] == 12
+    assert (stats.block_size, stats.num_kv_blocks) == (32, 12)
+    assert stats.num_free_blocks == 12
 
 
 def test_kv_dtype_change_keeps_every_request(path):
@@ -50,7 +50,7 @@ def test_kv_dtype_change_keeps_every_request(path):
     llm = LLM(EngineConfig(model=str(path), block_size=8, num_kv_blocks=64))
     outs = run(llm, prompts, {4: {"kv_dtype": "bfloat16"}})
     assert all(len(o.token_ids) == 20 for o in outs)
-    assert llm.stats()["kv_dtype"] == "bfloat16"
+    assert llm.stats().kv_dtype == "bfloat16"
 
 
 def test_refused_reconfigure_keeps_the_old_pool(path):
@@ -65,7 +65,7 @@ def test_refused_reconfigure_keeps_the_old_pool(path):
         engine.reconfigure(num_kv_blocks=2)
     with pytest.raises(ValueError, match="model"):
         engine.reconfigure(model="other")
-    assert (llm.stats()["block_size"], llm.stats()["num_kv_blocks"]) == (8, 64)
+    assert (llm.stats().block_size, llm.stats().num_kv_blocks) == (8, 64)
     while engine.has_unfinished():
         engine.step()
     assert len(engine.pop_output(rid).token_ids) == 5

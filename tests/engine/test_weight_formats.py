@@ -139,7 +139,7 @@ def test_engine_in_a_quantized_format_tracks_its_dense_self(tiny, weights):
                                          .manual_seed(8))]
     dense = token_log_probs(make_llm(tiny, "dense").engine, ids)
     llm = make_llm(tiny, weights)
-    assert llm.stats()["weights"] == weights
+    assert llm.stats().weights == weights
     quant = token_log_probs(llm.engine, ids)
     kl = float((dense.exp() * (dense - quant)).sum(-1).mean())
     assert kl < 0.05  # measured ~0.02: this random model's logits are far more peaked
@@ -154,7 +154,7 @@ def test_engine_in_a_quantized_format_tracks_its_dense_self(tiny, weights):
 
 
 def test_auto_loads_a_4bit_checkpoint_as_int4(tiny):
-    assert make_llm(tiny, "auto").stats()["weights"] == "int4"
+    assert make_llm(tiny, "auto").stats().weights == "int4"
 
 
 def test_quantized_weights_take_their_real_bytes(tiny):

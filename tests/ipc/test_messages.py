@@ -1,22 +1,27 @@
 """Wire format, endpoints and the blocks payload, without a server process."""
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import msgspec
 import numpy as np
 import pytest
+import zmq
 
 from kvscope.engine.block_manager import BlockManager
+from kvscope.engine.config import EngineConfig
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.scheduler import Scheduler
 from kvscope.engine.sequence import Sequence
 from kvscope.engine.server.snapshots import blocks_frame
-from kvscope.ipc import codec, endpoints
+from kvscope.ipc import EngineClient, codec, endpoints
 from kvscope.ipc import messages as m
 from kvscope.ipc.client import _prompt_fields, _sampling
+from kvscope.testing.frames import engine_settings, stats_frame
 
 
 @pytest.mark.parametrize("cmd", [
@@ -138,6 +143,91 @@ def test_blocks_frame_at_32k_blocks_is_compact():
     assert len(payload) < 32768 * 10 + 4096  # 9 bytes a block plus the small parts
     f = codec.decode_state("blocks", payload)
     assert len(f.array("owner")) == 32768 and np.count_nonzero(f.array("ref_count")) == f.used == 2
+
+
+def test_stats_frames_round_trip_as_typed_structs():
+    frame = stats_frame(kv_dtype="int8", kv_rotation="calibrated", kv_rotation_matrix="Hadamard",
+                        config={"num_kv_blocks": 128},
+                        server={"kv_events": m.KVEventCounters(
+                            batches=3, events=9, batches_dropped=0, publish_s=0.01, replays=1,
+                            bad_replays=0)})
+    back = codec.decode_state("stats", codec.encode(frame))
+    assert back == frame
+    assert isinstance(back.engine, m.EngineStats) and back.engine.kv_dtype == "int8"
+    assert isinstance(back.config, m.EngineSettings) and back.config.num_kv_blocks == 128
+    assert back.server.kv_events.batches == 3
+
+
+def test_engine_settings_mirror_engine_config_field_for_field():
+    assert list(m.EngineSettings.__struct_fields__) == \
+        [f.name for f in dataclasses.fields(EngineConfig)]
+    for config in (EngineConfig(), EngineConfig(num_kv_blocks=8, max_model_len=64,
+                                                kv_dtype="int8", enable_prefix_caching=False)):
+        wire = codec.encode(config.settings())
+        # strict: every value EngineConfig holds has exactly the type the struct says
+        assert msgspec.msgpack.decode(wire, type=m.EngineSettings) == \
+            msgspec.convert(config.to_dict(), m.EngineSettings, strict=True)
+
+
+def _edited(frame, part: str, edit) -> bytes:
+    """frame encoded, with its `part` map changed by edit(dict) as another build might."""
+    raw = msgspec.msgpack.decode(codec.encode(frame))
+    edit(raw[part])
+    return msgspec.msgpack.encode(raw)
+
+
+@pytest.mark.parametrize("part, edit, says", [
+    ("engine", lambda d: d.pop("kv_dtype"), "missing required field `kv_dtype` - at `$.engine`"),
+    ("engine", lambda d: d.update(num_kv_blocks="64"),
+     "Expected `int`, got `str` - at `$.engine.num_kv_blocks`"),
+    ("engine", lambda d: d.update(num_free_blocks=1.5),
+     "Expected `int`, got `float` - at `$.engine.num_free_blocks`"),
+    ("engine", lambda d: d.update(kv_rotation_matrix=7),
+     "Expected `str | null`, got `int` - at `$.engine.kv_rotation_matrix`"),
+    ("config", lambda d: d.pop("max_num_seqs"), "`max_num_seqs` - at `$.config`"),
+    ("config", lambda d: d.update(enable_prefix_caching=1),
+     "Expected `bool`, got `int` - at `$.config.enable_prefix_caching`"),
+    ("server", lambda d: d.update(http_in_flight=None),
+     "Expected `int`, got `None` - at `$.server.http_in_flight`"),
+])
+def test_a_stats_frame_with_a_missing_or_ill_typed_field_is_refused_by_name(part, edit, says):
+    with pytest.raises(codec.BadMessage) as err:
+        codec.decode_state("stats", _edited(stats_frame(), part, edit))
+    assert err.value.code == m.INVALID
+    assert err.value.message.startswith("bad stats frame: ") and says in err.value.message
+
+
+def test_a_hello_whose_config_is_ill_typed_is_refused_by_name():
+    hello = m.HelloResult(m.PROTOCOL_VERSION, "x", "default", 1, engine_settings(), 512, 1 << 20)
+    raw = msgspec.msgpack.decode(codec.encode(hello))
+    raw["config"]["block_size"] = "16"
+    with pytest.raises(msgspec.ValidationError, match=r"`\$\.config\.block_size`"):
+        codec.decode_result(msgspec.msgpack.encode(raw), m.HelloResult)
+    assert codec.decode_result(codec.encode(hello), m.HelloResult) == hello
+
+
+def test_the_client_refuses_a_bad_stats_frame_and_keeps_the_good_ones():
+    """A stats frame missing a field never reaches a view: the client counts it, says why
+    once, and goes on with the next good frame."""
+    with zmq.Context() as ctx, ctx.socket(zmq.PUB) as pub, ctx.socket(zmq.ROUTER) as router:
+        router.bind("tcp://127.0.0.1:0")
+        pub.bind("tcp://127.0.0.1:0")
+        client = EngineClient(router.getsockopt_string(zmq.LAST_ENDPOINT),
+                              pub.getsockopt_string(zmq.LAST_ENDPOINT), heartbeat_timeout=60)
+        try:
+            client.subscribe(["stats"])
+            bad = _edited(stats_frame(seq=1), "engine", lambda d: d.pop("num_used_blocks"))
+            deadline = time.monotonic() + 30
+            while client.bad_messages == 0 and time.monotonic() < deadline:
+                pub.send_multipart([b"stats", bad])  # again until the subscription is up
+                time.sleep(0.02)
+            assert client.bad_messages > 0 and client.latest("stats") is None
+            assert "`num_used_blocks` - at `$.engine`" in client.last_bad_message
+            pub.send_multipart([b"stats", codec.encode(stats_frame(seq=2))])
+            good = client.wait_frame("stats", timeout=10)
+            assert good is not None and good.seq == 2 and good.engine.num_used_blocks == 4
+        finally:
+            client.close()
 
 
 def test_ipc_imports_neither_torch_nor_the_engine():

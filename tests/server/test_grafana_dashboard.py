@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvscope.engine.server.metrics import EngineMetrics, EngineState, FinishedRequest
 from kvscope.ipc import messages as m
+from kvscope.testing.frames import engine_stats
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "resources" / "grafana" / "kvscope.json"
@@ -28,15 +29,15 @@ GiB = 1 << 30
 METRIC = re.compile(r"(kvscope:[a-zA-Z0-9_:]+|(?<![\w:])process_[a-z0-9_]+)(\{[^}]*\})?")
 
 # LLMEngine.stats() mid-run: 512 blocks of 16 tokens, 300 used, 40 prefix-cached.
-STATS = {
-    "num_kv_blocks": 512, "block_size": 16, "kv_dtype": "bfloat16",
-    "kv_bytes_per_token": 18432, "kv_cache_bytes": 512 * 16 * 18432,
-    "num_free_blocks": 212, "num_cached_blocks": 40, "num_used_blocks": 300,
-    "num_preemptions": 3, "num_steps": 1234, "num_running": 7, "num_waiting": 2,
-    "num_prompt_tokens": 4100, "num_generated_tokens": 9000,
-    "prefix_cache_queries": 4100, "prefix_cache_hits": 1600, "max_model_len": 4096,
-    "device": "cuda:0", "dtype": "bfloat16",
-}
+STATS = engine_stats(
+    num_kv_blocks=512, block_size=16, kv_dtype="bfloat16",
+    kv_bytes_per_token=18432, kv_cache_bytes=512 * 16 * 18432,
+    num_free_blocks=212, num_cached_blocks=40, num_used_blocks=300,
+    num_preemptions=3, num_steps=1234, num_running=7, num_waiting=2,
+    num_prompt_tokens=4100, num_generated_tokens=9000,
+    prefix_cache_queries=4100, prefix_cache_hits=1600, max_model_len=4096,
+    device="cuda:0", dtype="bfloat16",
+)
 # snapshots.block_totals() for the same state.
 KV_TOTALS = {
     "used": 300, "free": 172, "cached": 40, "tokens_stored": 4700,
@@ -66,7 +67,7 @@ def exported() -> dict[str, set[str]]:
     unset = [f.name for f in msgspec.structs.fields(frame) if getattr(frame, f.name) is None]
     assert not unset, f"set these DeviceFrame fields in cuda_frame(): {unset}"
     metrics = EngineMetrics("default", 4096, 512)
-    metrics.publish(EngineState(dict(STATS), dict(KV_TOTALS), frame))
+    metrics.publish(EngineState(STATS, dict(KV_TOTALS), frame))
     for seconds in (0.05, 0.12, 0.3):
         metrics.on_latency("ttft", seconds)
     for seconds in (0.011, 0.013, 0.02, 0.015):

@@ -285,7 +285,7 @@ def _without(frame, rid):
 
 
 def _aborted(client) -> int:
-    return client.snapshot().stats.server["aborted"]
+    return client.snapshot().stats.server.aborted
 
 
 def test_stream_hang_up_aborts_and_frees_blocks(client, url):
@@ -300,7 +300,7 @@ def test_stream_hang_up_aborts_and_frees_blocks(client, url):
         rid = json.loads(first[6:])["id"]
         frame = _live(client)
         assert rid in frame.request_ids and frame.request_sources[rid] == "http"
-        assert frame.used > 0 and client.snapshot().stats.server["http_in_flight"] == 1
+        assert frame.used > 0 and client.snapshot().stats.server.http_in_flight == 1
     # The connection is closed here, long before 1500 tokens.
     frame = wait_for(lambda: _without(_live(client), rid))
     assert frame.used == 0 and frame.free + frame.cached == free_before

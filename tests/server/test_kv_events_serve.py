@@ -82,8 +82,8 @@ def test_metrics_carry_vllms_prefix(client, server):
     assert "vllm:num_requests_running{" in text and "vllm:kv_cache_usage_perc{" in text
     assert "vllm:prefix_cache_hits_total{" in text
     assert "kvscope:" not in text
-    stats = client.snapshot(timeout=60).stats.server
-    assert stats["kv_event_batches"] >= 1 and stats["kv_event_batches_dropped"] == 0
+    kv_events = client.snapshot(timeout=60).stats.server.kv_events
+    assert kv_events is not None and kv_events.batches >= 1 and kv_events.batches_dropped == 0
 
 
 def test_the_vllm_window_source_reads_kvscope_itself(server, client):
@@ -91,7 +91,7 @@ def test_the_vllm_window_source_reads_kvscope_itself(server, client):
     from kvscope.app.vllm.source import VllmSource, VllmTarget
 
     hello = client.hello(timeout=60)
-    url, block_size = hello.metrics_url.removesuffix("/metrics"), hello.config["block_size"]
+    url, block_size = hello.metrics_url.removesuffix("/metrics"), hello.config.block_size
     source = VllmSource(VllmTarget(url, *kv_endpoints(server), topic="kv"),
                         scrape_interval_s=0.2)
     source.start()

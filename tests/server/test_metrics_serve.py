@@ -76,17 +76,17 @@ def test_counters_match_the_state_stream(client):
     step_frame = client.wait_frame("step", 10, lambda f: f.step == step)
     after = _scrape_until(url, lambda s: s["kvscope:engine_steps_total"] == step)
     engine = stats.engine
-    assert after["kvscope:prompt_tokens_total"] == engine["num_prompt_tokens"] \
+    assert after["kvscope:prompt_tokens_total"] == engine.num_prompt_tokens \
         == step_frame.prompt_tokens_total
-    assert after["kvscope:generation_tokens_total"] == engine["num_generated_tokens"] \
+    assert after["kvscope:generation_tokens_total"] == engine.num_generated_tokens \
         == step_frame.generated_tokens_total
-    assert after["kvscope:num_preemptions_total"] == engine["num_preemptions"] \
+    assert after["kvscope:num_preemptions_total"] == engine.num_preemptions \
         == step_frame.preemptions_total > 0
-    assert after["kvscope:prefix_cache_queries_total"] == engine["prefix_cache_queries"]
-    assert after["kvscope:prefix_cache_hits_total"] == engine["prefix_cache_hits"] > 0
+    assert after["kvscope:prefix_cache_queries_total"] == engine.prefix_cache_queries
+    assert after["kvscope:prefix_cache_hits_total"] == engine.prefix_cache_hits > 0
     assert after["kvscope:num_requests_running"] == after["kvscope:num_requests_waiting"] == 0
     assert after["kvscope:kv_cache_usage_perc"] == 0
-    assert after["kvscope:kv_cache_cached_blocks"] == engine["num_cached_blocks"] > 0
+    assert after["kvscope:kv_cache_cached_blocks"] == engine.num_cached_blocks > 0
 
     def moved(name: str) -> float:
         return after[name] - before.get(name, 0.0)

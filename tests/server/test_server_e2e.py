@@ -58,7 +58,7 @@ def prompts(lengths, seed):
 
 def test_hello_and_protocol_version(client, server):
     hello = client.hello()
-    assert hello.protocol == m.PROTOCOL_VERSION and hello.config["block_size"] == 8
+    assert hello.protocol == m.PROTOCOL_VERSION and hello.config.block_size == 8
     assert hello.metrics_url is None  # /metrics is off unless --metrics-port
     with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as raw:
         raw.connect(server.command)
@@ -105,7 +105,7 @@ def test_bad_input_gets_typed_errors(client):
     assert codes == ["bad_request"] * 3 + ["unknown_request"] + ["refused"] * 2
     with pytest.raises(ValueError, match="exceeds"):
         client.submit("x" * (9 * 2**20))
-    assert client.hello().config["block_size"] == 8  # refusals kept the old configuration
+    assert client.hello().config.block_size == 8  # refusals kept the old configuration
 
 
 def test_abort_mid_stream(client):
@@ -151,7 +151,7 @@ def test_reconfigure_block_size_mid_generation_keeps_greedy_output(client, refer
         client, token_prompts, params,
         [{"block_size": 16}, {"block_size": 4, "num_kv_blocks": 600}])
     try:
-        assert [(a["block_size"], a["num_kv_blocks"]) for a in applied] == [(16, 256), (4, 600)]
+        assert [(a.block_size, a.num_kv_blocks) for a in applied] == [(16, 256), (4, 600)]
         assert [[t for d in o for t in d.token_ids] for o in outs] == \
             [w.token_ids for w in want]
         assert all(o[-1].finish_reason == "length" for o in outs)
@@ -165,10 +165,10 @@ def test_reconfigure_kv_dtype_mid_generation_finishes_everything(client):
     outs, applied = _run_with_reconfigure(client, prompts([7, 40, 12], seed=5), params,
                                           [{"kv_dtype": "bfloat16"}, {"kv_dtype": "int8"}])
     try:
-        assert [a["kv_dtype"] for a in applied] == ["bfloat16", "int8"]
+        assert [a.kv_dtype for a in applied] == ["bfloat16", "int8"]
         assert all(sum(len(d.token_ids) for d in o) == 40 for o in outs)
         assert all(o[-1].finish_reason == "length" for o in outs)
-        assert client.snapshot().stats.config["kv_dtype"] == "int8"
+        assert client.snapshot().stats.config.kv_dtype == "int8"
     finally:
         client.reconfigure(kv_dtype="auto")
 
@@ -180,10 +180,10 @@ def test_reconfigure_kv_rotation_over_the_wire(client):
         client, prompts([9, 25], seed=6), params,
         [{"kv_dtype": "int8", "kv_rotation": "none"}, {"kv_rotation": "hadamard"}])
     try:
-        assert [a["kv_rotation"] for a in applied] == ["none", "hadamard"]
+        assert [a.kv_rotation for a in applied] == ["none", "hadamard"]
         assert all(sum(len(d.token_ids) for d in o) == 30 for o in outs)
         stats = client.snapshot().stats
-        assert (stats.engine["kv_rotation"], stats.config["kv_rotation"]) == ("hadamard",) * 2
+        assert (stats.engine.kv_rotation, stats.config.kv_rotation) == ("hadamard",) * 2
     finally:
         client.reconfigure(kv_dtype="auto", kv_rotation="auto")
 
@@ -204,9 +204,9 @@ def test_state_stream_matches_snapshot(client):
     frame = client.wait_frame("blocks", 10, lambda f: f.step == idle.blocks.step)
     assert (frame.flags, frame.used) == (idle.blocks.flags, 0)
     step = client.wait_frame("step", 10, lambda f: f.step == idle.blocks.step)
-    assert step.generated_tokens_total == idle.stats.engine["num_generated_tokens"]
+    assert step.generated_tokens_total == idle.stats.engine.num_generated_tokens
     stats = client.wait_frame("stats", 10, lambda f: f.step == idle.blocks.step)
-    assert stats.config["block_size"] == 8 and stats.itl_s.count > 0
+    assert stats.config.block_size == 8 and stats.itl_s.count > 0
     beat = client.wait_frame("heartbeat", 5)
     assert beat.step == idle.blocks.step and not beat.busy
     assert client.latest("step").seq > 1
