@@ -21,8 +21,9 @@ from PySide6.QtWidgets import (
 )
 
 from kvscope.app.engine_process import engine_qprocess
-from kvscope.app.traces.file import TraceFileError, read_series
+from kvscope.app.traces.file import read_series
 from kvscope.app.traces.plot import TraceOverlayPlot
+from kvscope.ipc.trace_format import TraceError
 
 # How the trace header's KV rotation reads after the dtype (traces before rotation: none).
 ROTATION_SUFFIX = {"hadamard": " + rotated", "calibrated": " + rotated, K-balanced"}
@@ -37,7 +38,8 @@ def trace_command(*args: str) -> list[str]:
 
 def replay_output_path(trace: str) -> str:
     stem = str(Path(trace).with_suffix(""))
-    return f"{stem}.replay-{time.strftime('%Y%m%d-%H%M%S')}-{int(time.time() * 1000) % 1000:03d}.jsonl"
+    millis = int(time.time() * 1000) % 1000
+    return f"{stem}.replay-{time.strftime('%Y%m%d-%H%M%S')}-{millis:03d}.jsonl"
 
 
 def _last_json(data: bytes):
@@ -127,7 +129,7 @@ class TraceReplayPanel(QWidget):
     def open_trace(self, path: str) -> bool:
         try:
             series = read_series(path)
-        except (OSError, TraceFileError) as exc:
+        except (OSError, TraceError) as exc:
             self.trace_label.setText(f"could not open the trace: {exc}")
             return False
         self.trace, self.recorded = path, series
@@ -136,10 +138,10 @@ class TraceReplayPanel(QWidget):
         self.plot.show_run("recorded", series)
         self.table.setRowCount(0)
         h = series.header
-        note = " (cut off at the end)" if series.truncated else ""
+        note = f" (line {series.cut_line} cut off at the end)" if series.truncated else ""
         self.trace_label.setText(
-            f"{path}{note}\n{h.get('model')} · block {h.get('block_size')} · KV "
-            f"{h.get('kv_dtype')}{ROTATION_SUFFIX.get(h.get('kv_rotation'), '')}"
+            f"{path}{note}\n{h.model} · block {h.block_size} · KV "
+            f"{h.kv_dtype}{ROTATION_SUFFIX.get(h.kv_rotation, '')}"
             f" · {len(series.t)} steps")
         self.replay_button.setEnabled(not self.busy)
         self.status.setText("")
@@ -150,8 +152,8 @@ class TraceReplayPanel(QWidget):
         if self.trace is None or self.busy:
             return
         args = list(self.engine_args())
-        if "--model" not in args and self.recorded.header.get("model"):
-            args = ["--model", str(self.recorded.header["model"]), *args]
+        if "--model" not in args and self.recorded.header.model:
+            args = ["--model", self.recorded.header.model, *args]
         self.replay_path = replay_output_path(self.trace)
         self.summary = self.comparison = None
         self.plot.clear_run("replay")
@@ -201,7 +203,7 @@ class TraceReplayPanel(QWidget):
         self.summary = summary
         try:
             self.plot.show_run("replay", read_series(self.replay_path))
-        except (OSError, TraceFileError) as exc:
+        except (OSError, TraceError) as exc:
             self._fail(f"could not read the replay: {exc}")
             return
         rejected = summary.get("rejected") or {}

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import msgspec
 
-from kvscope.engine.traces.reader import outputs_of, read_trace
-from kvscope.engine.traces.schema import Arrival, TraceError
+from kvscope.engine.traces.outputs import outputs_of
+from kvscope.ipc.trace_format import Arrival, Trace, TraceError, read_trace
 
 
 @dataclass
@@ -76,7 +76,8 @@ def read_mooncake(path: str | os.PathLike) -> list[WorkItem]:
     return items
 
 
-def read_kvscope(trace) -> list[WorkItem]:
+def read_kvscope(trace: Trace) -> list[WorkItem]:
+    """The arrivals of a kvscope trace as replay input, with what each request emitted."""
     arrivals = trace.of_type(Arrival)
     outs = outputs_of(trace)
     t0 = min((a.t for a in arrivals), default=0.0)

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 
 from kvscope.app.bridge import EngineBridge
-from kvscope.app.traces.file import TraceFileError, read_series
+from kvscope.app.traces.file import read_series
 from kvscope.app.traces.panel import engine_args_from
 from kvscope.app.traces.record import TraceRecordPanel
 from kvscope.app.traces.replay import TraceReplayPanel
 from kvscope.ipc import messages as m
+from kvscope.ipc.trace_format import TraceError
 from kvscope.testing.tiny_models import save_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,7 +39,7 @@ def recorded(model, tmp_path_factory):
 
 def test_reader_parses_a_recorded_trace(recorded):
     s = read_series(recorded)
-    assert s.header["ev"] == "header" and s.header["block_size"] > 0
+    assert s.header.schema_version == 1 and s.header.block_size > 0
     assert len(s.t) == len(s.tokens) == len(s.kv_usage) >= 5
     assert s.t[0] >= 0 and s.t == sorted(s.t)
     assert s.tokens[0] > 1  # the prefill step
@@ -50,13 +51,13 @@ def test_reader_rejects_a_malformed_line_with_its_number(recorded, tmp_path):
     lines = recorded.read_text().splitlines()
     bad = tmp_path / "bad.jsonl"
     bad.write_text("\n".join([*lines[:2], '{"ev": "step", "t": "soon"}', *lines[2:]]) + "\n")
-    with pytest.raises(TraceFileError, match=r"bad.jsonl:3:"):
+    with pytest.raises(TraceError, match=r"bad.jsonl:3:"):
         read_series(bad)
     bad.write_text("\n".join([*lines[:3], "__import__('os')", *lines[3:]]) + "\n")
-    with pytest.raises(TraceFileError, match=r"bad.jsonl:4: not JSON"):
+    with pytest.raises(TraceError, match=r"bad.jsonl:4: not JSON"):
         read_series(bad)
     bad.write_text('{"ev": "step", "t": 0}\n')
-    with pytest.raises(TraceFileError, match=r":1: expected a kvscope trace header"):
+    with pytest.raises(TraceError, match=r":1: expected a kvscope trace header"):
         read_series(bad)
 
 
@@ -66,6 +67,7 @@ def test_reader_tolerates_a_truncated_last_line(recorded, tmp_path):
     cut.write_bytes(data[:-7])  # the last event, cut mid-line
     s = read_series(cut)
     assert s.truncated and s.events == read_series(recorded).events - 1
+    assert s.cut_line == data.count(b"\n") + 1
     cut.write_bytes(data + b"\n" + b'{"ev": "step", "t": 1.0, "du')
     assert read_series(cut).truncated
 
@@ -156,13 +158,30 @@ def test_replay_panel_replays_overlays_and_compares(qtbot, model, recorded, tmp_
     assert not panel.busy and not panel.progress.isVisible()
 
 
-def test_replay_panel_reports_a_bad_trace(qtbot, tmp_path):
+def test_replay_panel_reports_a_bad_trace(qtbot, recorded, tmp_path):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"ev": "header", "schema_version": 1}\n{"ev": "nope", "t": 0}\n')
+    header = recorded.read_text().splitlines()[0]
+    bad.write_text(f'{header}\n{{"ev": "nope", "t": 0}}\n')
     panel = TraceReplayPanel()
     qtbot.addWidget(panel)
     assert not panel.open_trace(str(bad))
     assert "bad.jsonl:2" in panel.trace_label.text() and not panel.replay_button.isEnabled()
+    # a header without the fields the engine writes is refused as strictly as by the engine
+    bad.write_text('{"ev": "header", "schema_version": 1}\n')
+    assert not panel.open_trace(str(bad))
+    assert "bad.jsonl:1: Object missing required field" in panel.trace_label.text()
+
+
+def test_replay_panel_says_where_a_trace_was_cut_off(qtbot, recorded, tmp_path):
+    cut = tmp_path / "cut.jsonl"
+    data = recorded.read_bytes()
+    cut.write_bytes(data[:-7])
+    lines = data.count(b"\n")
+    panel = TraceReplayPanel()
+    qtbot.addWidget(panel)
+    assert panel.open_trace(str(cut))
+    assert f"line {lines} cut off" in panel.trace_label.text()
+    assert panel.replay_button.isEnabled()
 
 
 def test_replay_can_be_cancelled_and_close_kills_it(qtbot, model, recorded):

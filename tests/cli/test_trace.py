@@ -1,16 +1,18 @@
 """`kvscope trace replay|compare|export` and Mooncake-style input, on the tiny model."""
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 
 import pytest
 
-from kvscope.engine.cli.fragsim import main as fragsim
+from kvscope.engine.cli import trace as trace_command
 from kvscope.engine.cli.trace import main as trace_cli
-from kvscope.engine.traces.reader import read_trace
-from kvscope.engine.traces.schema import Arrival, Step
+from kvscope.ipc.trace_format import Arrival, Step, read_trace
+from kvscope.main import main as kvscope
 from kvscope.testing.tiny_models import save_tiny_model
+from tests.traces import synthetic
 from tests.traces.test_record import record
 
 
@@ -94,7 +96,7 @@ def test_mooncake_input_replays_with_shared_prefixes(model, tmp_path, capsys):
     assert (len(p0), len(p1), len(p2)) == (20, 24, 6)
     assert p0[:16] == p1[:16] and p0[16:20] != p1[16:20]
     # fragsim reads the same lengths
-    assert fragsim(["--trace", str(src), "--block-size", "16", "--json"]) == 0
+    assert kvscope(["fragsim", "--trace", str(src), "--block-size", "16", "--json"]) == 0
     f = json.loads(capsys.readouterr().out)
     assert f["used_slots"] == 24 + 27 + 8 and f["paged_slots"] == 32 + 32 + 16
 
@@ -154,3 +156,23 @@ def test_corrupt_trace_is_a_clear_error(recorded, tmp_path, capsys):
     assert trace_cli(["export", str(bad), "-o", str(tmp_path / "x.json")]) == 2
     err = capsys.readouterr().err
     assert "bad.jsonl:5:" in err and "error" in err
+
+
+def test_the_command_module_contract(tmp_path, capsys):
+    """add_parser registers `trace` (with its subcommands) on a subparsers action; run runs it;
+    the launcher reaches it the same way."""
+    parser = argparse.ArgumentParser(prog="kvscope")
+    sub = parser.add_subparsers(dest="command", required=True)
+    trace_parser = trace_command.add_parser(sub)
+    assert list(sub.choices) == ["trace"] and sub.choices["trace"] is trace_parser
+    path = synthetic.write(tmp_path / "t.jsonl")
+    args = parser.parse_args(["trace", "compare", str(path), str(path), "--json"])
+    assert args.command == "trace" and trace_command.run(args) == 0
+    ratio = json.loads(capsys.readouterr().out)["ratio"]
+    assert ratio["output_tokens"] == ratio["steps"] == 1 and ratio["aborted"] is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["trace", "launch"])
+    assert "replay" in capsys.readouterr().err  # the error lists the subcommands
+    out = tmp_path / "t.json"
+    assert kvscope(["trace", "export", str(path), "-o", str(out)]) == 0
+    assert json.loads(out.read_text())["metadata"]["block_size"] == synthetic.BLOCK_SIZE

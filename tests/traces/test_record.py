@@ -7,22 +7,24 @@ import pytest
 import torch
 
 from kvscope.engine import EngineConfig, SamplingParams
-from kvscope.engine.cli.main import main as kvscope
 from kvscope.engine.llm_engine import LLMEngine
-from kvscope.engine.traces.reader import outputs_of, read_trace
+from kvscope.engine.traces.outputs import outputs_of
 from kvscope.engine.traces.recorder import start_trace
-from kvscope.engine.traces.schema import (
+from kvscope.engine.traces.workload import request_lengths
+from kvscope.ipc.trace_format import (
     Abort,
     Alloc,
     Arrival,
     Finish,
     Free,
     Preempt,
+    Reconfigure,
     Step,
     Token,
     TraceError,
+    read_trace,
 )
-from kvscope.engine.traces.workload import request_lengths
+from kvscope.main import main as kvscope
 from kvscope.testing.tiny_models import save_tiny_model
 
 
@@ -65,7 +67,7 @@ def test_record_read_round_trip(model, tmp_path):
     assert len(steps) == engine.num_steps
     assert all(s.tokens == sum(n for _, n in s.seqs) <= s.budget for s in steps)
     # the pool is tiny: preemptions happen, and every block allocated is freed again
-    assert len(trace.of_type(Preempt)) == engine.stats()["num_preemptions"] > 0
+    assert len(trace.of_type(Preempt)) == engine.stats().num_preemptions > 0
     held: dict[str, list[int]] = {}
     for ev in trace.events:
         if isinstance(ev, Alloc):
@@ -180,8 +182,6 @@ def test_generate_trace_option(model, tmp_path, capsys):
 
 
 def test_reconfigure_mid_session_frees_blocks_and_is_recorded(model, tmp_path):
-    from kvscope.engine.traces.schema import Reconfigure
-
     path = tmp_path / "t.jsonl"
     engine = LLMEngine(EngineConfig(model=str(model), block_size=4, num_kv_blocks=64))
     start_trace(engine, path)

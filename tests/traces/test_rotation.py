@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvscope.engine.traces.reader import read_trace
-from kvscope.engine.traces.schema import Reconfigure
+from kvscope.ipc.trace_format import Reconfigure, read_trace
 from kvscope.testing.tiny_models import save_tiny_model
 from tests.cli.test_trace import run_json
 from tests.traces.test_record import record

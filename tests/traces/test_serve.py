@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvscope.engine.traces.reader import outputs_of, read_trace
-from kvscope.engine.traces.schema import Arrival, Finish
+from kvscope.engine.traces.outputs import outputs_of
 from kvscope.ipc import EngineClient, EngineError
+from kvscope.ipc.trace_format import Arrival, Finish, read_trace
 from tests.support.server_harness import Server, save_chat_model
 
 
@@ -51,7 +51,7 @@ def test_kill_9_mid_generation_keeps_every_flushed_line(tmp_path):
     import signal
     import time
 
-    from kvscope.engine.traces.schema import Step, Token
+    from kvscope.ipc.trace_format import Step, Token
 
     model = save_chat_model(tmp_path / "chat", seed=2)
     path = tmp_path / "killed.jsonl"
