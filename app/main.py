@@ -1,4 +1,4 @@
-"""Entry point of the desktop app (`kvscope`, `kvscope gui`, `kvscope --attach URL`).
+"""The `gui` command: the desktop app (`kvscope`, `kvscope gui`, `kvscope --attach URL`).
 
 Starts a local engine child with the given engine options, or attaches to a running
 `kvscope serve`. `--demo --screenshot PATH --after SECONDS` runs the load generator and saves
@@ -22,10 +22,13 @@ ENGINE_OPTIONS = {  # option -> takes a value (passed through to the engine chil
 STYLE = Path(__file__).resolve().parent.parent / "resources" / "style.qss"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvscope", description="kvscope desktop app: chat with a local model and watch "
-                                    "its paged KV cache, batch and memory live")
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `gui` and all its options (the vLLM ones too) on the launcher's subparsers."""
+    p = sub.add_parser(
+        "gui", help="the desktop app (the default with no command; --attach URL)",
+        description="kvscope desktop app: chat with a local model and watch its paged KV "
+                    "cache, batch and memory live. `kvscope` alone, or with these options "
+                    "only (`kvscope --attach URL`), runs it too.")
     p.add_argument("--attach", metavar="tcp://HOST:PORT",
                    help="attach to a running `kvscope serve` instead of starting an engine")
     p.add_argument("--attach-state", metavar="ENDPOINT",
@@ -68,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The `gui` command's parser on its own (`kvscope gui` without the launcher's table)."""
+    return add_parser(argparse.ArgumentParser(prog="kvscope").add_subparsers())
+
+
 def engine_args(args) -> list[str]:
     out: list[str] = []
     for option, takes_value in ENGINE_OPTIONS.items():
@@ -101,8 +109,7 @@ def attach_keys(args):
     return client_keys_for(args.attach, args.keys, curve)
 
 
-def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> int:
     try:
         keys = attach_keys(args)
     except ValueError as exc:  # ipc.keys.KeyFileError names the missing or unsafe file

@@ -7,34 +7,36 @@ import sys
 from kvscope.ipc import keys
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvscope keys",
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `keys` with its actions (init, show, allow, trust) on the launcher's subparsers."""
+    p = sub.add_parser(
+        "keys", help="CURVE keys for remote attach: init, show, allow, trust",
         description="CURVE keys for `kvscope serve` off loopback and `kvscope --attach`. On the "
                     "engine's machine: init, then allow each client's public client.key. On "
                     "the window's machine: init, then trust HOST with the engine's server.key.")
     folder = argparse.ArgumentParser(add_help=False)
     folder.add_argument("--keys", metavar="DIR",
                         help=f"key folder (default {keys.default_keys_dir()})")
-    sub = p.add_subparsers(dest="action", required=True)
-    init = sub.add_parser("init", parents=[folder],
-                          help="write a server and a client key pair (secrets 0600)")
+    actions = p.add_subparsers(dest="action", required=True)
+    init = actions.add_parser("init", parents=[folder],
+                              help="write a server and a client key pair (secrets 0600)")
     init.add_argument("--force", action="store_true", help="replace existing keys")
-    sub.add_parser("show", parents=[folder], help="print the public keys and allowed clients")
-    allow = sub.add_parser("allow", parents=[folder],
-                           help="let the engine admit the client with this public key")
+    actions.add_parser("show", parents=[folder],
+                       help="print the public keys and allowed clients")
+    allow = actions.add_parser("allow", parents=[folder],
+                               help="let the engine admit the client with this public key")
     allow.add_argument("public_key_file", metavar="PUBLIC_KEY_FILE",
                        help="the client's client.key (public; never the .key_secret)")
     allow.add_argument("--name", help="name it in allowed_clients/ (default: the file's name)")
-    trust = sub.add_parser("trust", parents=[folder], help="remember the engine on HOST by its public key")
+    trust = actions.add_parser("trust", parents=[folder],
+                               help="remember the engine on HOST by its public key")
     trust.add_argument("host", metavar="HOST", help="as in --attach tcp://HOST:PORT")
     trust.add_argument("public_key_file", metavar="SERVER_PUBLIC_KEY_FILE",
                        help="the engine's server.key (public)")
     return p
 
 
-def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> int:
     folder = keys.keys_dir(args.keys)
     try:
         if args.action == "init":
@@ -54,7 +56,3 @@ def main(argv: list[str]) -> int:
         print(f"kvscope keys: error: {exc}", file=sys.stderr)
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -6,6 +6,7 @@ import sys
 
 
 def add_vllm_options(p: argparse.ArgumentParser) -> None:
+    """The vLLM options of the `gui` command (app/main.py's add_parser adds them)."""
     g = p.add_argument_group("watching a vLLM server")
     g.add_argument("--attach-vllm", metavar="http://HOST:8000",
                    help="watch a vLLM server (its /metrics, KV events and OpenAI API) instead "
@@ -19,7 +20,7 @@ def add_vllm_options(p: argparse.ArgumentParser) -> None:
                    help="with --attach-vllm: the topic vLLM publishes on (default empty)")
 
 
-def run(args, app) -> int:
+def run(args: argparse.Namespace, app) -> int:
     from PySide6.QtCore import QTimer
 
     from kvscope.app.vllm.source import VllmTarget

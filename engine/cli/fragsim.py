@@ -8,9 +8,10 @@ import sys
 from kvscope.kvmath.fragsim import random_lengths, simulate
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvscope fragsim",
-                                description="Reserved-max-length vs paged KV allocation waste")
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `fragsim` and its options on the launcher's subparsers action."""
+    p = sub.add_parser("fragsim", help="reserved-max-length vs paged KV waste experiment",
+                       description="Reserved-max-length vs paged KV allocation waste")
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--min-len", type=int, default=50)
     p.add_argument("--max-len", type=int, default=2048)
@@ -22,11 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> int:
     try:
         if args.trace:
-            from kvscope.engine.traces.schema import TraceError
+            from kvscope.ipc.trace_format import TraceError
             from kvscope.engine.traces.workload import request_lengths
 
             try:

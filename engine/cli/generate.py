@@ -5,11 +5,16 @@ import argparse
 import json
 import sys
 
+import msgspec
+
 from kvscope.engine.cli.options import add_engine_options, engine_config_from_args
 
 
-def add_parser(sub) -> None:
-    gen = sub.add_parser("generate", help="generate a reply, streamed to stdout")
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `generate` and all its options on the launcher's subparsers action."""
+    gen = sub.add_parser("generate", help="generate a reply, streamed to stdout",
+                         description="Generate one reply to PROMPT with the engine in this "
+                                     "process, streamed to stdout as it is sampled.")
     gen.add_argument("prompt")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -24,6 +29,7 @@ def add_parser(sub) -> None:
     gen.add_argument("--no-prompts", action="store_true",
                      help="with --trace: record prompt lengths, not the prompt token ids")
     add_engine_options(gen)
+    return gen
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         while engine.has_unfinished():
-            for delta in engine.step():
+            for delta in engine.step().outputs:
                 if not args.json:
                     print(delta.text, end="", flush=True)
     finally:
@@ -60,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"request_id": output.request_id, "text": output.text,
                           "token_ids": output.token_ids, "finish_reason": output.finish_reason,
                           "prompt_token_ids": output.prompt_token_ids,
-                          "stats": engine.stats()}))
+                          "stats": msgspec.structs.asdict(engine.stats())}))
     else:
         print()
     return 0

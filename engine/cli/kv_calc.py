@@ -8,14 +8,19 @@ import sys
 from kvscope.kvmath.kv_size import human_bytes, kv_size, load_config
 
 
-def add_parser(sub) -> None:
-    calc = sub.add_parser("kv-calc", help="KV bytes per token and in total for a model config")
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `kv-calc` and its options on the launcher's subparsers action."""
+    calc = sub.add_parser("kv-calc", help="KV bytes per token and in total for a model config",
+                          description="KV cache bytes per token (2 x layers x KV heads x head "
+                                      "dim x bytes) and for --tokens tokens, from a Hugging "
+                                      "Face config; no model is loaded.")
     calc.add_argument("--config", required=True,
                       help="config.json, a checkpoint folder or an inline JSON object")
     calc.add_argument("--dtype", default="bf16",
                       help="float32|fp32|float16|fp16|bfloat16|bf16|int8|fp8")
     calc.add_argument("--tokens", type=int, default=1_000_000)
     calc.add_argument("--json", action="store_true")
+    return calc
 
 
 def run(args: argparse.Namespace) -> int:

@@ -22,9 +22,10 @@ from kvscope.ipc import endpoints
 from kvscope.ipc.messages import DEFAULT_MAX_MESSAGE_BYTES
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvscope serve",
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `serve` and all its options on the launcher's subparsers action."""
+    p = sub.add_parser(
+        "serve", help="headless engine process behind ZeroMQ",
         description="Run the engine headless: commands on a ROUTER socket (tcp://HOST:PORT), "
                     "the live state on a PUB socket (tcp://HOST:PORT+1).")
     p.add_argument("--host", default=endpoints.DEFAULT_HOST,
@@ -55,6 +56,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_auth_options(p)
     add_engine_options(p)
     return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """`kvscope serve`'s parser on its own, for `python -m kvscope.engine.cli.serve` (how the
+    window and the benchmarks spawn an engine process)."""
+    return add_parser(argparse.ArgumentParser(prog="kvscope").add_subparsers())
+
+
+def main(argv: list[str]) -> int:
+    """`python -m kvscope.engine.cli.serve ARGS...`: the same as `kvscope serve ARGS...`."""
+    return run(build_parser().parse_args(argv))
 
 
 def resolve_endpoints(args) -> tuple[str, str]:
@@ -89,8 +101,7 @@ def check_remote(eps, allow_remote: bool) -> None:
                          f"`kvscope keys init`)")
 
 
-def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> int:
     try:
         if not args.state_hz > 0:
             raise ValueError(f"--state-hz {args.state_hz} must be > 0")

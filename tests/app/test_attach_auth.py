@@ -7,8 +7,7 @@ import time
 import pytest
 from PySide6.QtCore import QSettings
 
-from kvscope.app.main import attach_keys, build_parser
-from kvscope.app.main import main as gui_main
+from kvscope.app.main import attach_keys, build_parser, run
 from kvscope.ipc import EngineClient, keys
 from tests.support.curve_stub import CurveHeartbeats
 
@@ -62,6 +61,6 @@ def test_attach_loads_keys_off_loopback_or_when_asked(engine_keys, capsys):
     assert attach_keys(parse(["--attach", "tcp://10.1.2.3:5570"])) == on_loopback
     assert attach_keys(parse(["--attach", "tcp://10.1.2.3:5570", "--insecure"])) is None
     (engine_keys / "client.key_secret").unlink()
-    assert gui_main(["--attach", "tcp://10.1.2.3:5570"]) == 2  # before any window opens
+    assert run(parse(["--attach", "tcp://10.1.2.3:5570"])) == 2  # before any window opens
     err = capsys.readouterr().err
     assert "client.key_secret" in err and "kvscope keys init" in err

@@ -1,3 +1,4 @@
+"""`kvscope fragsim`: the classic reserved-vs-paged waste numbers, exactly, and its errors."""
 from __future__ import annotations
 
 import json
@@ -6,8 +7,12 @@ import random
 
 import pytest
 
-from kvscope.engine.cli.fragsim import main
 from kvscope.kvmath.fragsim import random_lengths, simulate
+from kvscope.main import main as kvscope
+
+
+def main(argv: list[str]) -> int:
+    return kvscope(["fragsim", *argv])
 
 
 def test_default_numbers_are_exact():
