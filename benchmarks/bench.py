@@ -1,6 +1,7 @@
 """Engine vs Hugging Face `generate` on one seeded mixed workload, plus MFU and KV waste.
 
-    python -m kvscope.benchmarks.bench [--quick] [--json] [--profile] [--concurrency N] [engine options]
+    python -m kvscope.benchmarks.bench [--quick] [--json] [--profile] [--concurrency N]
+        [engine options]
     kvscope bench ...   /   make bench
 
 One workload (random.Random(seed)) of N requests with prompt and output lengths drawn
@@ -9,9 +10,10 @@ from wide ranges is sent all at once:
 * through the engine (`LLM.generate`, greedy, ignore_eos=True, so every request produces
   exactly its requested number of tokens), and
 * through Hugging Face `generate` with static batches of --batch-size requests in arrival
-  order (the same dtype as the engine, dense weights): left padding with the EOS token as pad, an attention mask, greedy, and
-  max_new_tokens = min_new_tokens = the longest requested output of the batch, so a batch
-  runs until its longest request ends. Only requested tokens count as generated.
+  order (the same dtype as the engine, dense weights): left padding with the EOS token as
+  pad, an attention mask, greedy, and max_new_tokens = min_new_tokens = the longest requested
+  output of the batch, so a batch runs until its longest request ends. Only requested tokens
+  count as generated.
 
 Both get a tiny warm-up first and are timed with time.perf_counter. Equal concurrency is
 the default comparison: --concurrency N (default 16) is both the engine's max_num_seqs and
@@ -43,15 +45,23 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvscope.benchmarks.bench_profile import RunnerCounter, install_profile, profile_report, sync
+from kvscope.benchmarks.bench_profile import RunnerCounter, install_profile, profile_report
+from kvscope.benchmarks.timing import (
+    add_json_flag,
+    best_of,
+    calls_lasting,
+    print_result,
+    progress_logger,
+    sync_device,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -72,16 +82,16 @@ class Request:
         return len(self.prompt) + self.max_tokens
 
 
-def log(msg: str) -> None:
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+log = progress_logger("bench")
 
 
 # -- options -------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `bench` and all its options on the launcher's subparsers action."""
     from kvscope.engine.cli.options import add_engine_options
 
-    p = argparse.ArgumentParser(
-        prog="kvscope bench",
+    p = sub.add_parser(
+        "bench", help="engine vs Hugging Face generate on a mixed workload",
         description="Engine (continuous batching, paged KV) vs Hugging Face generate "
                     "(static batches) on one seeded mixed workload.")
     w = p.add_argument_group("workload")
@@ -107,8 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--profile", action="store_true",
                    help="report where engine step time goes (model forward vs the rest) "
                         "and the host overhead per step")
-    b.add_argument("--json", action="store_true",
-                   help="print exactly one JSON object on stdout (table goes to stderr)")
+    add_json_flag(b, "print exactly one JSON object on stdout (table goes to stderr)")
     add_engine_options(p)  # --model --device --dtype --block-size --kv-cache-bytes --seed ...
     p.set_defaults(weights="dense")  # HF reads dense weights: compare like with like
     return p
@@ -117,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve_workload_args(args) -> None:
     defaults = QUICK_WORKLOAD if args.quick else DEFAULT_WORKLOAD
     names = ("requests", "min_prompt", "max_prompt", "min_output", "max_output")
-    for name, default in zip(names, defaults):
+    for name, default in zip(names, defaults, strict=True):
         if getattr(args, name) is None:
             setattr(args, name, default)
     if args.requests < 1:
@@ -208,27 +217,11 @@ def measure_matmul_flops(device: str, dtype, shapes: list[tuple[int, int, int]],
     return results
 
 
-def _best_rate(run, flops: int, device: str, reps: int, min_seconds: float) -> float:
-    run()
-    sync(device)
-    iters = 1
-    while True:  # size the loop so one timing lasts at least min_seconds
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            run()
-        sync(device)
-        dt = time.perf_counter() - t0
-        if dt >= min_seconds:
-            break
-        iters *= 2
-    best = iters * flops / dt
-    for _ in range(reps - 1):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            run()
-        sync(device)
-        best = max(best, iters * flops / (time.perf_counter() - t0))
-    return best
+def _best_rate(run: Callable[[], object], flops: int, device: str, reps: int,
+               min_seconds: float) -> float:
+    """FLOP/s of the best of `reps` runs, each of enough calls to last min_seconds."""
+    calls = calls_lasting(run, min_seconds, device=device)
+    return flops / best_of(run, reps, calls=calls, warmup=0, device=device)
 
 
 def kv_waste(reqs: list[Request], block_size: int, reserve_len: int,
@@ -299,21 +292,21 @@ def run_engine(args, reqs: list[Request], llm) -> dict:
     monitor = CpuMonitor()
     t0 = time.perf_counter()
     outs = llm.generate([r.prompt for r in reqs], params)
-    sync(engine.device)
+    sync_device(engine.device)
     seconds = time.perf_counter() - t0
     after = llm.stats()
 
     got = [len(o.token_ids) for o in outs]
     want = [r.max_tokens for r in reqs]
     if got != want:
-        bad = [(i, g, w) for i, (g, w) in enumerate(zip(got, want)) if g != w]
+        bad = [(i, g, w) for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w]
         raise RuntimeError(f"engine produced other output lengths than requested: {bad[:5]}")
     result = {
         "seconds": seconds,
         "outputs": [list(o.token_ids) for o in outs],
-        "num_steps": after["num_steps"] - before["num_steps"],
-        "num_preemptions": after["num_preemptions"] - before["num_preemptions"],
-        "prefix_cache_hits": after["prefix_cache_hits"] - before["prefix_cache_hits"],
+        "num_steps": after.num_steps - before.num_steps,
+        "num_preemptions": after.num_preemptions - before.num_preemptions,
+        "prefix_cache_hits": after.prefix_cache_hits - before.prefix_cache_hits,
         "fed_tokens": counter.fed_tokens,
         "flops_executed": model_flops(engine.model, counter.fed_tokens, counter.logit_rows,
                                       counter.context_sum),
@@ -354,7 +347,7 @@ def hf_generate_batch(model, batch: list[Request], pad_id: int, device: str) -> 
                          pad_token_id=pad_id, eos_token_id=pad_id,
                          temperature=None, top_p=None, top_k=None)
     new = out[:, width:].tolist()
-    return [row[:r.max_tokens] for row, r in zip(new, batch)]
+    return [row[:r.max_tokens] for row, r in zip(new, batch, strict=True)]
 
 
 def run_hf(args, reqs: list[Request], model, pad_id: int, device: str) -> dict:
@@ -372,9 +365,10 @@ def run_hf(args, reqs: list[Request], model, pad_id: int, device: str) -> dict:
         t0 = time.perf_counter()
         for i in range(0, len(reqs), bs):
             outputs += hf_generate_batch(model, reqs[i:i + bs], pad_id, device)
-        sync(device)
+        sync_device(device)
         seconds = time.perf_counter() - t0
-    short = [i for i, (o, r) in enumerate(zip(outputs, reqs)) if len(o) != r.max_tokens]
+    short = [i for i, (o, r) in enumerate(zip(outputs, reqs, strict=True))
+             if len(o) != r.max_tokens]
     if short:
         raise RuntimeError(f"HF stopped early on requests {short[:5]}")
     return {"seconds": seconds, "outputs": outputs, "other_cpu_load": monitor.other_load()}
@@ -426,7 +420,7 @@ def run_bench(args) -> dict:
     peak = max(mm.values())
     useful_flops = workload_flops(engine.model, reqs)
     stats = eng["stats"]
-    reserve_len = args.reserve_len or stats["max_model_len"]
+    reserve_len = args.reserve_len or stats.max_model_len
     report = {
         "num_requests": len(reqs),
         "prompt_tokens": prompt_tokens,
@@ -451,22 +445,22 @@ def run_bench(args) -> dict:
         "num_steps": eng["num_steps"],
         "max_batch_seqs": eng["max_batch_seqs"],
         "peak_kv_blocks_used": eng["peak_used_blocks"],
-        "num_kv_blocks": stats["num_kv_blocks"],
-        "peak_kv_pool_usage": eng["peak_used_blocks"] / stats["num_kv_blocks"],
+        "num_kv_blocks": stats.num_kv_blocks,
+        "peak_kv_pool_usage": eng["peak_used_blocks"] / stats.num_kv_blocks,
         "kv_reserve_len": reserve_len,
-        **kv_waste(reqs, stats["block_size"], reserve_len, args.batch_size),
+        **kv_waste(reqs, stats.block_size, reserve_len, args.batch_size),
         "hf_first_token_match": hf and sum(
-            a[:1] == b[:1] for a, b in zip(eng["outputs"], hf["outputs"])) / len(reqs),
+            a[:1] == b[:1] for a, b in zip(eng["outputs"], hf["outputs"], strict=True)) / len(reqs),
         "other_cpu_load_engine": eng["other_cpu_load"],
         "other_cpu_load_hf": hf and hf["other_cpu_load"],
         "config": {
             **config.to_dict(),
             "device": engine.device,
-            "dtype": stats["dtype"],
-            "kv_dtype": stats["kv_dtype"],
-            "weights": stats["weights"],
-            "kv_bytes_per_token": stats["kv_bytes_per_token"],
-            "max_model_len": stats["max_model_len"],
+            "dtype": stats.dtype,
+            "kv_dtype": stats.kv_dtype,
+            "weights": stats.weights,
+            "kv_bytes_per_token": stats.kv_bytes_per_token,
+            "max_model_len": stats.max_model_len,
             "requests": args.requests,
             "prompt_range": [args.min_prompt, args.max_prompt],
             "output_range": [args.min_output, args.max_output],
@@ -553,23 +547,25 @@ def format_table(r: dict) -> str:
     return "\n".join(f"{k:<{width}}  {v}".rstrip() for k, v in rows)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--"]:  # `kvscope bench -- --quick` forwards the separator too
-        argv = argv[1:]
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """`kvscope bench`: run the benchmark, print its report; 2 on a bad workload or model."""
     try:
         report = run_bench(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"kvscope bench: error: {exc}", file=sys.stderr)
         return 2
-    table = format_table(report)
-    if args.json:
-        print(table, file=sys.stderr)
-        print(json.dumps(report))
-    else:
-        print(table)
+    print_result(report, format_table, args.json, table_to_stderr=True)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kvscope.benchmarks.bench`: the `bench` command alone."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--"]:  # `kvscope bench -- --quick` forwards the separator too
+        argv = argv[1:]
+    parser = argparse.ArgumentParser(prog="kvscope")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    return run(parser.parse_args(["bench", *argv]))
 
 
 if __name__ == "__main__":

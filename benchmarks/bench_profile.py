@@ -7,12 +7,7 @@ from __future__ import annotations
 
 import time
 
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        import torch
-
-        torch.cuda.synchronize()
+from kvscope.benchmarks.timing import sync_device
 
 
 class Timer:
@@ -30,7 +25,7 @@ class Timer:
             try:
                 return fn(*a, **kw)
             finally:
-                sync(device)
+                sync_device(device)
                 self.seconds += time.perf_counter() - t0
                 self.cpu_seconds += time.thread_time() - c0
                 self.calls += 1
@@ -114,9 +109,9 @@ class DecodeSteps:
             sched = engine.scheduler
             ready = {id(s) for s in sched.running
                      if s.num_output_tokens > 0 and s.num_computed_tokens == s.num_tokens - 1}
-            steps, (wall, cpu) = engine.num_steps, host_seconds(timers)
+            wall, cpu = host_seconds(timers)
             out = inner(*a, **kw)
-            batch = engine.last_batch if engine.num_steps != steps else []
+            batch = out.scheduled  # empty when no model step ran
             if batch and all(i.num_tokens == 1 and id(i.seq) in ready for i in batch):
                 wall_after, cpu_after = host_seconds(timers)
                 acc = self.by_size.setdefault(len(batch), [0, 0.0, 0.0])

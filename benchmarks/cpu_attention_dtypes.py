@@ -1,8 +1,10 @@
-"""The native CPU decode attention (kernels/cpu_decode_attention.c) per KV storage dtype: one
-layer's call for a batch of decode rows, best of five runs of --reps calls each, all dtypes in
-one process so they share the machine's state.
+"""Microseconds per call of the native CPU decode attention for each KV storage dtype.
 
     python -m kvscope.benchmarks.cpu_attention_dtypes [--seqs 16] [--context 160] [--threads 2]
+        [--json]
+
+The kernel is kernels/cpu_decode_attention.c: one layer's call for a batch of decode rows, best
+of five runs of --reps calls each, all dtypes in one process so they share the machine's state.
 
 The shape is SmolLM2's (9 query heads, 3 KV heads, head_dim 64), block size 16.
 """
@@ -10,33 +12,25 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
-import time
+
+from kvscope.benchmarks.timing import add_json_flag, best_of, print_result
 
 CASES = (("float32", "float32"), ("bfloat16", "bfloat16"), ("float16", "float32"),
          ("int8", "float32"), ("int8", "bfloat16"), ("fp8", "float32"))
 
 
-def time_call(fn, reps: int) -> float:
-    for _ in range(10):
-        fn()
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        best = min(best, (time.perf_counter() - start) / reps)
-    return best
+def format_table(result: dict) -> str:
+    return "\n".join(f"{name:28} {us:8.1f} us" for name, us in result["us_per_call"].items())
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="cpu_attention_dtypes", description=__doc__.split("\n")[0])
     p.add_argument("--seqs", type=int, default=16)
     p.add_argument("--context", type=int, default=160)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=200)
-    p.add_argument("--json", action="store_true")
+    add_json_flag(p)
     args = p.parse_args(argv)
     import torch
 
@@ -60,12 +54,8 @@ def main(argv=None) -> int:
         qq = query.to(dtypes[q])
         call = functools.partial(cpu_attention.paged_attention_cpu, qq, k, v, meta, 0.125,
                                  ks, vs)
-        rows[f"{kv} pool, {q} query"] = time_call(call, args.reps) * 1e6
-    if args.json:
-        print(json.dumps({"us_per_call": rows, **vars(args)}))
-    else:
-        for name, us in rows.items():
-            print(f"{name:28} {us:8.1f} us")
+        rows[f"{kv} pool, {q} query"] = best_of(call, 5, calls=args.reps, warmup=10) * 1e6
+    print_result({"us_per_call": rows, **vars(args)}, format_table, args.json)
     return 0
 
 

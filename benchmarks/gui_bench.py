@@ -1,4 +1,6 @@
-"""What the desktop app costs: `python -m kvscope.benchmarks.gui_bench [--json] [serve options]`
+"""What the desktop app costs: GUI time per frame, and engine throughput with a window attached.
+
+    python -m kvscope.benchmarks.gui_bench [--json] [--skip-engine | --skip-frames] [serve options]
 
 (a) GUI main-thread time per frame: a MainWindow (offscreen unless a display is set; --size,
     default 1600x900, every panel visible) fed synthetic engine state (kvscope/testing/frames.py
@@ -23,7 +25,6 @@ Options not listed below go to `engine.cli.serve` (--device, --num-kv-blocks, ..
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -33,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvscope.benchmarks.timing import add_json_flag, percentile, print_result, progress_logger
+
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -40,13 +43,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
 
 
-def log(msg: str) -> None:
-    print(f"[gui_bench] {msg}", file=sys.stderr, flush=True)
-
-
-def pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+log = progress_logger("gui_bench")
 
 
 def make_window(tmp: str, size: tuple[int, int] = (1600, 900), **kwargs):
@@ -94,8 +91,7 @@ def gui_frame_time(num_blocks: int, requests: int, ticks: int, tmp: str,
         window.block_map.select_request(ids[0])
         bridge = window.bridge
 
-        def tick() -> None:
-            bridge.drain()
+        def paint() -> None:
             if every_view:
                 window.repaint_views()
                 window.refresh_labels()
@@ -106,7 +102,8 @@ def gui_frame_time(num_blocks: int, requests: int, ticks: int, tmp: str,
         t0 = time.time()
         for _ in range(12):  # warm up: first image, grid, fonts; two rounds of every job
             bridge.mailbox.put_frame("blocks", frames[0])
-            tick()
+            bridge.drain()
+            paint()
         drain_ms, total_ms, cpu_ms = [], [], []
         for i in range(ticks):
             t = t0 + i / 30
@@ -120,12 +117,7 @@ def gui_frame_time(num_blocks: int, requests: int, ticks: int, tmp: str,
             start, cpu_start = time.perf_counter(), time.thread_time()
             bridge.drain()
             mid = time.perf_counter()
-            if every_view:
-                window.repaint_views()
-                window.refresh_labels()
-            else:
-                window.frame_tick()
-            app.processEvents()
+            paint()
             end, cpu_end = time.perf_counter(), time.thread_time()
             drain_ms.append(1e3 * (mid - start))
             total_ms.append(1e3 * (end - start))
@@ -133,9 +125,10 @@ def gui_frame_time(num_blocks: int, requests: int, ticks: int, tmp: str,
         return {"blocks": num_blocks, "requests": requests, "ticks": ticks,
                 "mode": "every view" if every_view else "frame clock",
                 "size": f"{size[0]}x{size[1]}", "cell_px": window.block_map.cell_pixels(),
-                "tick_ms_median": statistics.median(total_ms), "tick_ms_p95": pct(total_ms, .95),
+                "tick_ms_median": statistics.median(total_ms),
+                "tick_ms_p95": percentile(total_ms, .95),
                 "tick_ms_max": max(total_ms), "drain_ms_median": statistics.median(drain_ms),
-                "cpu_ms_median": statistics.median(cpu_ms), "cpu_ms_p95": pct(cpu_ms, .95)}
+                "cpu_ms_median": statistics.median(cpu_ms), "cpu_ms_p95": percentile(cpu_ms, .95)}
     finally:
         window.shutdown()
         window.close()
@@ -234,16 +227,48 @@ def throughput(serve_args, requests: int, max_tokens: int, reps: int,
         except Exception:  # noqa: BLE001
             proc.kill()
     h, g = statistics.median(out["headless"]), statistics.median(out["gui"])
-    return {"window_repo": str(window_repo), "model": str(hello.config.get("model")), "device": hello.config.get("device"),
+    return {"window_repo": str(window_repo), "model": hello.config.model,
+            "device": hello.config.device,
             "requests": requests, "max_tokens": max_tokens, "reps": reps,
             "headless_tok_s": h, "gui_tok_s": g, "gui_over_headless": g / h,
             "headless_runs": out["headless"], "gui_runs": out["gui"],
             "windows": out["windows"]}
 
 
-def main(argv=None) -> int:
+def format_table(report: dict, running: int, size: str) -> str:
+    """(a) a row per pool size and mode, (b) the throughput with and without a window."""
+    lines = []
+    if report["frame_time"]:
+        lines.append(f"(a) GUI main-thread time per tick (drain + frame + Qt paint), {running} "
+                     f"running requests, window {size}, QPA {report['qpa']}")
+        lines.append(f"{'blocks':>8} {'ticks':>12} {'median ms':>10} {'p95 ms':>8} "
+                     f"{'max ms':>8} {'CPU median':>11} {'CPU p95':>8} {'drain ms':>9} "
+                     f"{'cell px':>8}")
+        lines += [f"{r['blocks']:>8} {r['mode']:>12} {r['tick_ms_median']:>10.2f} "
+                  f"{r['tick_ms_p95']:>8.2f} {r['tick_ms_max']:>8.2f} "
+                  f"{r['cpu_ms_median']:>11.2f} {r['cpu_ms_p95']:>8.2f} "
+                  f"{r['drain_ms_median']:>9.2f} {r['cell_px']:>8.1f}"
+                  for r in report["frame_time"]]
+    t = report["throughput"]
+    if t:
+        heading = (f"(b) engine throughput, {t['requests']} requests x {t['max_tokens']} tokens, "
+                   f"greedy, ignore_eos, model {t['model']} on {t['device']}, median of "
+                   f"{t['reps']}, a window process attached vs none")
+        window_cpu = [round(100 * wd["core_share"], 1) for wd in t["windows"]]
+        lines += ["", heading,
+                  f"{'headless tok/s':>15} {'GUI tok/s':>10} {'GUI/headless':>13}",
+                  (f"{t['headless_tok_s']:>15.1f} {t['gui_tok_s']:>10.1f} "
+                   f"{t['gui_over_headless']:>13.3f}"),
+                  (f"runs: headless {[round(x, 1) for x in t['headless_runs']]}, "
+                   f"GUI {[round(x, 1) for x in t['gui_runs']]}"),
+                  (f"window process ({t['window_repo']}) CPU during the GUI runs: "
+                   f"{window_cpu} % of a core")]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json_flag(p, "print one JSON object")
     p.add_argument("--blocks", default="4096,32768", help="pool sizes for (a)")
     p.add_argument("--running", type=int, default=64, help="running requests for (a)")
     p.add_argument("--ticks", type=int, default=120)
@@ -274,31 +299,8 @@ def main(argv=None) -> int:
     if not args.skip_engine:
         report["throughput"] = throughput(serve_args, args.requests, args.max_tokens, args.reps,
                                           args.window_repo.resolve())
-    if args.json:
-        print(json.dumps(report, indent=2))
-        return 0
-    if report["frame_time"]:
-        print(f"(a) GUI main-thread time per tick (drain + frame + Qt paint), {args.running} "
-              f"running requests, window {args.size}, QPA {report['qpa']}")
-        print(f"{'blocks':>8} {'ticks':>12} {'median ms':>10} {'p95 ms':>8} {'max ms':>8} "
-              f"{'CPU median':>11} {'CPU p95':>8} {'drain ms':>9} {'cell px':>8}")
-        for r in report["frame_time"]:
-            print(f"{r['blocks']:>8} {r['mode']:>12} {r['tick_ms_median']:>10.2f} "
-                  f"{r['tick_ms_p95']:>8.2f} {r['tick_ms_max']:>8.2f} "
-                  f"{r['cpu_ms_median']:>11.2f} {r['cpu_ms_p95']:>8.2f} "
-                  f"{r['drain_ms_median']:>9.2f} {r['cell_px']:>8.1f}")
-    t = report["throughput"]
-    if t:
-        print(f"\n(b) engine throughput, {t['requests']} requests x {t['max_tokens']} tokens, "
-              f"greedy, ignore_eos, model {t['model']} on {t['device']}, median of {t['reps']}, "
-              f"a window process attached vs none")
-        print(f"{'headless tok/s':>15} {'GUI tok/s':>10} {'GUI/headless':>13}")
-        print(f"{t['headless_tok_s']:>15.1f} {t['gui_tok_s']:>10.1f} "
-              f"{t['gui_over_headless']:>13.3f}")
-        print(f"runs: headless {[round(x, 1) for x in t['headless_runs']]}, "
-              f"GUI {[round(x, 1) for x in t['gui_runs']]}")
-        print(f"window process ({t['window_repo']}) CPU during the GUI runs: "
-              f"{[round(100 * wd['core_share'], 1) for wd in t['windows']]} % of a core")
+    print_result(report, lambda r: format_table(r, args.running, args.size), args.json,
+                 indent=2)
     return 0
 
 

@@ -1,4 +1,6 @@
-"""What the OpenAI HTTP API costs: `python -m kvscope.benchmarks.http_bench [--json] [--tiny] [serve options]`
+"""What the OpenAI HTTP API costs: streamed tokens/s, TTFT and server CPU, HTTP vs ZeroMQ.
+
+    python -m kvscope.benchmarks.http_bench [--json] [--tiny] [serve options]
 
 One real `kvscope serve --http-port 0` subprocess; the same greedy workload (token-id prompts,
 ignore_eos, so every request makes exactly --max-tokens tokens) from --concurrency streaming
@@ -14,8 +16,8 @@ requests finishes them in waves, and a wave's resubmissions that trickle in star
 with only part of the batch.
 
 Options not listed below go to `kvscope serve` (--model, --device, --max-num-seqs, ...).
---tiny uses the random tiny test model (kvscope/testing/tiny_models.py): steps of a millisecond or two,
-the worst case for the HTTP side's relative cost.
+--tiny uses the random tiny test model (kvscope/testing/tiny_models.py): steps of a millisecond
+or two, the worst case for the HTTP side's relative cost.
 """
 from __future__ import annotations
 
@@ -25,7 +27,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -34,26 +35,15 @@ from pathlib import Path
 
 import psutil
 
+from kvscope.benchmarks.ipc_bench import start_server
+from kvscope.benchmarks.timing import add_json_flag, print_result, progress_logger
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-REPO = Path(__file__).resolve().parents[1]
 
 
-def log(msg: str) -> None:
-    print(f"[http_bench] {msg}", file=sys.stderr, flush=True)
-
-
-def start_server(serve_args: list[str], threads: int | None):
-    cmd = [sys.executable, "-m", "kvscope.engine.cli.serve", "--port", "0", "--http-port", "0",
-           *serve_args]
-    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True, env=env)
-    line = proc.stdout.readline().split()
-    if not line or line[0] != "ready":
-        proc.kill()
-        raise SystemExit(f"kvscope serve did not start: {' '.join(cmd)}")
-    return proc, line[1], line[2]
+log = progress_logger("http_bench")
 
 
 def prompts_for(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -175,11 +165,11 @@ def bench(serve_args, requests: int, concurrency: int, prompt_len: int, max_toke
           reps: int, threads: int | None) -> dict:
     from kvscope.ipc import EngineClient
 
-    proc, command, state = start_server(serve_args, threads)
+    proc, command, state = start_server(["--http-port", "0", *serve_args], threads)
     try:
         with EngineClient(command, state, timeout=600, heartbeat_timeout=30) as client:
             hello = client.hello()
-            vocab = min(250, hello.config.get("vocab_size") or 250)
+            vocab = 250  # ids every test model and SmolLM2 treat as plain tokens
             prompts = prompts_for(requests, prompt_len, vocab, seed=0)
             log(f"warm-up; the API is at {hello.http_url}")
             run_ipc(client, prompts[:concurrency], 8, concurrency)
@@ -233,9 +223,10 @@ def table(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvscope.benchmarks.http_bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m kvscope.benchmarks.http_bench",
+                                description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    add_json_flag(p, "one JSON object on stdout")
     p.add_argument("--tiny", action="store_true", help="the tiny random test model")
     p.add_argument("--requests", type=int, default=96)
     p.add_argument("--concurrency", type=int, default=32)
@@ -255,11 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             serve_args = [*serve_args, "--max-num-seqs", str(args.concurrency)]
         result = bench(serve_args, args.requests, args.concurrency, args.prompt_len,
                        args.max_tokens, args.reps, args.server_threads)
-    if args.json:
-        print(json.dumps(result))
-        print(table(result), file=sys.stderr)
-    else:
-        print(table(result))
+    print_result(result, table, args.json, table_to_stderr=True)
     return 0
 
 

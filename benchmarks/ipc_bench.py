@@ -1,4 +1,6 @@
-"""What the ZeroMQ side costs: `python -m kvscope.benchmarks.ipc_bench [--json] [--tiny] [serve options]`
+"""What the ZeroMQ side costs: throughput with a state subscriber, frame size, frame latency.
+
+    python -m kvscope.benchmarks.ipc_bench [--json] [--tiny] [serve options]
 
 (a) engine throughput with a subscriber to every state topic attached vs none: a real
     `kvscope serve` subprocess, the same greedy workload (ignore_eos, so every request makes
@@ -9,13 +11,12 @@
     frame arriving, decoded, at a subscriber in this process.
 
 Options not listed below go to `kvscope serve` (--model, --device, --num-kv-blocks, ...).
---tiny uses the random tiny test model (kvscope/testing/tiny_models.py) with 32k KV blocks: the worst
-case for relative overhead, since its steps take a millisecond or two.
+--tiny uses the random tiny test model (kvscope/testing/tiny_models.py) with 32k KV blocks: the
+worst case for relative overhead, since its steps take a millisecond or two.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -26,19 +27,15 @@ import threading
 import time
 from pathlib import Path
 
+from kvscope.benchmarks.timing import add_json_flag, percentile, print_result, progress_logger
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
 
 
-def log(msg: str) -> None:
-    print(f"[ipc_bench] {msg}", file=sys.stderr, flush=True)
-
-
-def percentile(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q / 100 * len(xs)))] if xs else None
+log = progress_logger("ipc_bench")
 
 
 # -- (b) blocks frame ------------------------------------------------------------------------
@@ -102,7 +99,10 @@ def bench_blocks_frame(num_blocks: int = 32768, block_size: int = 16, num_seqs: 
 
 
 # -- (a) and (c): a live server ----------------------------------------------------------------
-def start_server(serve_args: list[str], threads: int | None):
+def start_server(serve_args: list[str], threads: int | None
+                 ) -> tuple[subprocess.Popen, str, str]:
+    """A `kvscope serve` subprocess on free ports, once it says it is ready: (process, command
+    endpoint, state endpoint). threads: its OMP_NUM_THREADS (None: the default)."""
     cmd = [sys.executable, "-m", "kvscope.engine.cli.serve", "--port", "0", *serve_args]
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True, env=env)
@@ -158,11 +158,13 @@ class Subscriber:
 
 def publish_seconds(client) -> float:
     """Engine-thread seconds spent building state frames so far (the server counts them)."""
-    return client.snapshot().stats.server["publish_s"]
+    return client.snapshot().stats.server.publish_s
 
 
 def bench_server(serve_args, requests: int, prompt_len: int, max_tokens: int, reps: int,
                  threads: int | None = None):
+    import msgspec
+
     from kvscope.ipc import EngineClient
 
     proc, command, state = start_server(serve_args, threads)
@@ -184,7 +186,8 @@ def bench_server(serve_args, requests: int, prompt_len: int, max_tokens: int, re
             latency += sub.latency
             frames = {k: frames.get(k, 0) + v for k, v in sub.frames.items()}
             log(f"rep {rep}: {plain[-1]:.0f} tok/s alone, {with_sub[-1]:.0f} with a subscriber")
-        config = dict(client.hello().config, num_kv_blocks=client.snapshot().blocks.num_blocks)
+        config = dict(msgspec.structs.asdict(client.hello().config),
+                      num_kv_blocks=client.snapshot().blocks.num_blocks)
         client.shutdown()
     finally:
         client.close()
@@ -199,9 +202,9 @@ def bench_server(serve_args, requests: int, prompt_len: int, max_tokens: int, re
             "loss_best_pct": 100 * (1 - max(with_sub) / max(plain)), "runs_alone": plain,
             "publish_share_pct": 100 * statistics.median(share),
             "runs_subscribed": with_sub, "frames_received": frames,
-            "step_latency_ms": {"p50": 1e3 * percentile(latency, 50),
-                                "p90": 1e3 * percentile(latency, 90),
-                                "p99": 1e3 * percentile(latency, 99),
+            "step_latency_ms": {"p50": 1e3 * percentile(latency, .50),
+                                "p90": 1e3 * percentile(latency, .90),
+                                "p99": 1e3 * percentile(latency, .99),
                                 "max": 1e3 * max(latency), "samples": len(latency)}}
 
 
@@ -236,9 +239,10 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvscope.benchmarks.ipc_bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m kvscope.benchmarks.ipc_bench",
+                                description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    add_json_flag(p, "one JSON object on stdout")
     p.add_argument("--tiny", action="store_true",
                    help="the tiny random test model with 32768 KV blocks of 16")
     p.add_argument("--requests", type=int, default=32)
@@ -260,11 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         log("throughput and latency against a live server ...")
         result["server"] = bench_server(serve_args, args.requests, args.prompt_len,
                                         args.max_tokens, args.reps, args.server_threads)
-    if args.json:
-        print(json.dumps(result))
-        print(table(result), file=sys.stderr)
-    else:
-        print(table(result))
+    print_result(result, table, args.json, table_to_stderr=True)
     return 0
 
 

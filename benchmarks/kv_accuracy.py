@@ -1,21 +1,25 @@
 """What a KV dtype costs in accuracy, measured on the embedded model against float32 KV.
 
+    python -m kvscope.benchmarks.kv_accuracy [--dtypes ...] [--rotations ...] [--json]
+    kvscope kv-accuracy ...
+
 For each KV dtype, with and without the K/V rotation (kernels/rotation.py) and the calibrated
 exact K shift and q/k balance on top of it (kernels/k_balance.py), and with and without anchor
 tokens (engine/kv_anchors.py: the first positions of each opening kept exact) -- 1-byte dtypes
-only, where they matter -- over the chat prompts of resources/kv_accuracy_prompts.txt (40, chosen before
-any measurement): prefix agreement (share of generated positions before the first token that
-differs from the float32-KV continuation, the number a user feels), positional agreement (share
-of positions whose token equals the reference's, which forgives a detour that comes back), mean
-KL divergence of next-token distributions along the float32 continuation (teacher-forced), and
-perplexity on resources/perplexity_text.txt.
+only, where they matter -- over the chat prompts of resources/kv_accuracy_prompts.txt (40,
+chosen before any measurement): prefix agreement (share of generated positions before the first
+token that differs from the float32-KV continuation, the number a user feels), positional
+agreement (share of positions whose token equals the reference's, which forgives a detour that
+comes back), mean KL divergence of next-token distributions along the float32 continuation
+(teacher-forced), and perplexity on resources/perplexity_text.txt.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
+
+from kvscope.benchmarks.timing import add_json_flag, print_result, progress_logger
 
 PROMPTS_FILE = Path(__file__).resolve().parent.parent / "resources" / "kv_accuracy_prompts.txt"
 
@@ -34,10 +38,13 @@ DTYPES = ["float32", "bfloat16", "float16", "int8", "fp8"]
 ROTATIONS = ["calibrated", "hadamard", "none"]
 ONE_BYTE = ("int8", "fp8")
 ANCHORS = [4, 0]
+log = progress_logger("kv-accuracy")
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(prog="kvscope kv-accuracy", description=__doc__)
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `kv-accuracy` and all its options on the launcher's subparsers action."""
+    p = sub.add_parser("kv-accuracy", help="accuracy of each KV dtype against float32 KV",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default")
     p.add_argument("--dtypes", nargs="+", default=DTYPES, choices=DTYPES)
     p.add_argument("--rotations", nargs="+", default=ROTATIONS, choices=ROTATIONS,
@@ -50,9 +57,15 @@ def parse_args(argv):
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--text-tokens", type=int, default=512, help="perplexity text length cap")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--json", action="store_true",
-                   help="one JSON object keyed by row (dtype, or dtype+rotation)")
-    return p.parse_args(argv)
+    add_json_flag(p, "one JSON object keyed by row (dtype, or dtype+rotation)")
+    return p
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The options of `kv-accuracy` parsed from argv (the command's own, without its name)."""
+    parser = argparse.ArgumentParser(prog="kvscope")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["kv-accuracy", *argv])
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -64,7 +77,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def positional(a: list[int], b: list[int]) -> float:
     """Share of the reference's positions where the candidate has the same token."""
-    return sum(x == y for x, y in zip(a, b)) / max(len(b), 1)
+    return sum(x == y for x, y in zip(a, b, strict=False)) / max(len(b), 1)
 
 
 def measure(engine, prompts, reference, text_ids, max_tokens) -> dict:
@@ -72,15 +85,16 @@ def measure(engine, prompts, reference, text_ids, max_tokens) -> dict:
 
     greedy = _greedy(engine, prompts, max_tokens)
     refs = reference["tokens"]
-    prefix = [common_prefix(g, r) / max(len(r), 1) for g, r in zip(greedy, refs)]
+    prefix = [common_prefix(g, r) / max(len(r), 1) for g, r in zip(greedy, refs, strict=True)]
     kls = [mean_kl(ref_lp, token_log_probs(engine, p + r)[len(p) - 1:])
-           for p, r, ref_lp in zip(prompts, reference["tokens"], reference["log_probs"])]
+           for p, r, ref_lp in zip(prompts, refs, reference["log_probs"], strict=True)]
     return {
         "prefix_agreement": sum(prefix) / len(prefix),
-        "positional_agreement": sum(positional(g, r) for g, r in zip(greedy, refs)) / len(refs),
+        "positional_agreement": sum(positional(g, r)
+                                    for g, r in zip(greedy, refs, strict=True)) / len(refs),
         "mean_kl": sum(kls) / len(kls),
         "perplexity": perplexity(token_log_probs(engine, text_ids), text_ids),
-        "kv_bytes_per_token": engine.stats()["kv_bytes_per_token"],
+        "kv_bytes_per_token": engine.stats().kv_bytes_per_token,
         "greedy": greedy,
     }
 
@@ -95,7 +109,8 @@ def _greedy(engine, prompts, max_tokens):
     return [engine.pop_output(i).token_ids for i in ids]
 
 
-def run(args) -> dict:
+def measure_rows(args: argparse.Namespace) -> dict:
+    """Every row's measures against the float32-KV reference, keyed by row name."""
     import torch
 
     from kvscope.engine import EngineConfig
@@ -114,7 +129,7 @@ def run(args) -> dict:
     results = {}
     for dtype, rotation, anchors in rows(args.dtypes, args.rotations, args.anchor_tokens):
         name = row_name(dtype, rotation, anchors)
-        print(f"[kv-accuracy] {name} ...", file=sys.stderr)
+        log(f"{name} ...")
         engine.reconfigure(kv_dtype=dtype, kv_rotation=rotation, kv_anchor_tokens=anchors)
         result = measure(engine, prompts, reference, text_ids, args.max_tokens)
         result.pop("greedy")
@@ -129,7 +144,7 @@ def reference_of(engine, prompts, max_tokens) -> dict:
 
     tokens = _greedy(engine, prompts, max_tokens)
     return {"tokens": tokens, "log_probs": [token_log_probs(engine, p + r)[len(p) - 1:]
-                                            for p, r in zip(prompts, tokens)]}
+                                            for p, r in zip(prompts, tokens, strict=True)]}
 
 
 def rows(dtypes: list[str], rotations: list[str], anchors: list[int] = (0,)
@@ -146,24 +161,25 @@ def row_name(dtype: str, rotation: str, anchors: int = 0) -> str:
     return f"{dtype}+{rotation}" + (f"+anchors{anchors}" if anchors else "")
 
 
-def print_table(results: dict) -> None:
-    print(f"{'kv dtype':10} {'rotation':>10} {'anchors':>7} {'bytes/token':>12} "
-          f"{'prefix agree':>13} {'position agree':>15} {'mean KL':>10} {'perplexity':>11}")
-    for r in results.values():
-        print(f"{r['kv_dtype']:10} {r['kv_rotation']:>10} {r['kv_anchor_tokens']:7d} "
+def format_table(results: dict) -> str:
+    lines = [(f"{'kv dtype':10} {'rotation':>10} {'anchors':>7} {'bytes/token':>12} "
+              f"{'prefix agree':>13} {'position agree':>15} {'mean KL':>10} {'perplexity':>11}")]
+    lines += [f"{r['kv_dtype']:10} {r['kv_rotation']:>10} {r['kv_anchor_tokens']:7d} "
               f"{r['kv_bytes_per_token']:12d} "
               f"{r['prefix_agreement']:12.1%} {r['positional_agreement']:14.1%} "
-              f"{r['mean_kl']:10.5f} {r['perplexity']:11.3f}")
+              f"{r['mean_kl']:10.5f} {r['perplexity']:11.3f}" for r in results.values()]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """`kvscope kv-accuracy`: measure every row, print the table or the JSON object."""
+    print_result(measure_rows(args), format_table, args.json)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    results = run(args)
-    if args.json:
-        print(json.dumps(results))
-    else:
-        print_table(results)
-    return 0
+    """`python -m kvscope.benchmarks.kv_accuracy`: the `kv-accuracy` command alone."""
+    return run(parse_args(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

@@ -1,17 +1,18 @@
-"""What `kvscope serve --kv-events` costs the engine thread: KV-event batches per step, events
-per second, and the time the engine thread spends per step turning the block manager's records
-into a vLLM batch, encoding it and handing it to the publisher thread, under `kvscope bench`'s
-workload (random prompts, optionally sharing a prefix), with a live subscriber on loopback.
+"""What `kvscope serve --kv-events` costs the engine thread per step, and how many events it sends.
 
     python -m kvscope.benchmarks.kv_events_cost [--quick] [--shared-prefix N] [--num-kv-blocks B]
         [--model default] [--json]
+
+KV-event batches per step, events per second, and the time the engine thread spends per step
+turning the block manager's records into a vLLM batch, encoding it and handing it to the
+publisher thread, under `kvscope bench`'s workload (random prompts, optionally sharing a
+prefix), with a live subscriber on loopback.
 
 Costs are per-call wall times on this machine, to compare with the step time of the same run.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -24,6 +25,7 @@ from kvscope.benchmarks.bench import (
     build_workload,
     special_token_ids,
 )
+from kvscope.benchmarks.timing import add_json_flag, print_result
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shared-prefix", type=int, default=0, metavar="N",
                    help="every prompt starts with one of 4 shared prefixes of N tokens")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true")
+    add_json_flag(p)
     return p
 
 
@@ -170,31 +172,32 @@ def run(args) -> dict:
     }
 
 
+def format_table(r: dict) -> str:
+    return "\n".join([
+        (f"{r['model']} on {r['device']}: {r['requests']} requests, {r['steps']} steps in "
+         f"{r['wall_s']:.1f} s, pool {r['num_kv_blocks']} blocks of {r['block_size']}, "
+         f"shared prefix {r['shared_prefix']} tokens"),
+        (f"  batches {r['batches']} ({r['batches_per_step']:.2f} per step, "
+         f"{r['events_per_step']:.2f} events per step, "
+         f"{r['batches_per_s']:.1f}/s), events {r['events']} ({r['events_per_s']:.1f}/s), "
+         f"{r['bytes_per_batch']:.0f} bytes per batch, dropped {r['dropped']}"),
+        (f"  engine thread: {r['publish_us_per_step']:.1f} us per step publishing "
+         f"(per batch p50 {r['publish_us_per_batch_p50']:.1f} us, p99 "
+         f"{r['publish_us_per_batch_p99']:.0f} us; {r['publish_us_per_event']:.1f} us per "
+         f"event) vs a {r['step_ms_mean']:.1f} ms step: "
+         f"{100 * r['publish_share_of_step']:.3f} % of the step time"),
+        (f"  the same hand-over in isolation (4 blocks stored + 2 removed per batch): "
+         f"{r['isolated_publish_us_per_batch']:.1f} us per batch (median)"),
+        (f"  the whole workload: {r['wall_s']:.2f} s with --kv-events, "
+         f"{r['wall_s_without_events']:.2f} s without (mean of a run before and after): "
+         f"ratio {r['wall_ratio_with_events']:.3f}"),
+        (f"  subscriber: {r['subscriber_events']} events, {r['subscriber_missed']} missed, "
+         f"{r['subscriber_replayed']} replayed")])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    r = run(args)
-    if args.json:
-        print(json.dumps(r, indent=2))
-        return 0
-    print(f"{r['model']} on {r['device']}: {r['requests']} requests, {r['steps']} steps in "
-          f"{r['wall_s']:.1f} s, pool {r['num_kv_blocks']} blocks of {r['block_size']}, "
-          f"shared prefix {r['shared_prefix']} tokens")
-    print(f"  batches {r['batches']} ({r['batches_per_step']:.2f} per step, "
-          f"{r['events_per_step']:.2f} events per step, "
-          f"{r['batches_per_s']:.1f}/s), events {r['events']} ({r['events_per_s']:.1f}/s), "
-          f"{r['bytes_per_batch']:.0f} bytes per batch, dropped {r['dropped']}")
-    print(f"  engine thread: {r['publish_us_per_step']:.1f} us per step publishing "
-          f"(per batch p50 {r['publish_us_per_batch_p50']:.1f} us, p99 "
-          f"{r['publish_us_per_batch_p99']:.0f} us; {r['publish_us_per_event']:.1f} us per "
-          f"event) vs a {r['step_ms_mean']:.1f} ms step: "
-          f"{100 * r['publish_share_of_step']:.3f} % of the step time")
-    print(f"  the same hand-over in isolation (4 blocks stored + 2 removed per batch): "
-          f"{r['isolated_publish_us_per_batch']:.1f} us per batch (median)")
-    print(f"  the whole workload: {r['wall_s']:.2f} s with --kv-events, "
-          f"{r['wall_s_without_events']:.2f} s without (mean of a run before and after): "
-          f"ratio {r['wall_ratio_with_events']:.3f}")
-    print(f"  subscriber: {r['subscriber_events']} events, {r['subscriber_missed']} missed, "
-          f"{r['subscriber_replayed']} replayed")
+    print_result(run(args), format_table, args.json, indent=2)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""One chat, kvscope vs llama.cpp on the same GGUF, same prompt tokens, same thread count.
+"""Decode tok/s of one chat, kvscope vs llama.cpp on the same GGUF, prompt tokens and threads.
 
     python -m kvscope.benchmarks.llama_cpp_side_by_side --llama-python /work/llama-venv/bin/python
 
@@ -19,7 +19,8 @@ import json
 import os
 import subprocess
 import sys
-import time
+
+from kvscope.benchmarks.timing import add_json_flag, best_of, print_result
 
 LLAMA_SIDE = r"""
 import json, sys, time
@@ -78,7 +79,7 @@ def parse_args(argv):
                    help="also: llama.cpp's greedy agreement with Hugging Face float32 on the "
                         "kv-accuracy prompts (replies of up to 48 tokens, as "
                         "kvscope.benchmarks.single_stream measures kvscope's)")
-    p.add_argument("--json", action="store_true")
+    add_json_flag(p)
     return p.parse_args(argv)
 
 
@@ -102,7 +103,7 @@ def llama_agreement(args, gguf: str, tokenizer) -> dict:
     reference = hf_reference(resolve_checkpoint("default"), prompts, 48)
     eos = {tokenizer.eos_token_id}
     agree = [agreement(strip_eos(r, eos), strip_eos(ref, eos))
-             for r, ref in zip(replies, reference)]
+             for r, ref in zip(replies, reference, strict=True)]
     return {"greedy_agreement": sum(agree) / len(agree),
             "identical_prompts": sum(a == 1.0 for a in agree), "num_prompts": len(agree)}
 
@@ -126,13 +127,15 @@ def run_kvscope(args, dtype: str, weights: str, prompt: list[int]) -> dict:
     torch.set_num_threads(args.threads)
     llm = LLM(EngineConfig(dtype=dtype, weights=weights))
     llm.generate(prompt, SamplingParams(max_tokens=8))
-    best, tokens = 0.0, []
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        out = llm.generate(prompt, SamplingParams(max_tokens=args.tokens, ignore_eos=True))
-        best = max(best, args.tokens / (time.perf_counter() - t0))
-        tokens = list(out[0].token_ids)
-    return {"tokens_per_s": best, "token_ids": tokens, "weights": llm.stats()["weights"]}
+    tokens: list[int] = []
+
+    def request() -> None:
+        tokens[:] = llm.generate(prompt, SamplingParams(max_tokens=args.tokens,
+                                                        ignore_eos=True))[0].token_ids
+
+    seconds = best_of(request, args.repeats, warmup=0)
+    return {"tokens_per_s": args.tokens / seconds, "token_ids": tokens,
+            "weights": llm.stats().weights}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,18 +158,22 @@ def main(argv: list[str] | None = None) -> int:
         results["llama.cpp"]["agreement"] = llama_agreement(args, str(default_gguf_path()),
                                                             tokenizer)
     if args.json:
-        print(json.dumps({k: {**v, "token_ids": None} for k, v in results.items()}))
-    else:
-        print(f"{len(prompt)} prompt tokens, {args.tokens} generated, {args.threads} threads")
-        for name, r in results.items():
-            print(f"{name:24} {r['tokens_per_s']:8.1f} tok/s   first "
-                  f"{r['same_tokens_as_llama_cpp']} tokens equal to llama.cpp's")
-        if args.agreement:
-            a = results["llama.cpp"]["agreement"]
-            print(f"llama.cpp greedy agreement with HF float32 (kv-accuracy prompts): "
-                  f"{a['greedy_agreement']:.1%}, {a['identical_prompts']}/{a['num_prompts']} "
-                  f"identical")
+        results = {k: {**v, "token_ids": None} for k, v in results.items()}
+    print_result(results, lambda r: format_table(r, len(prompt), args), args.json)
     return 0
+
+
+def format_table(results: dict, prompt_tokens: int, args: argparse.Namespace) -> str:
+    lines = [f"{prompt_tokens} prompt tokens, {args.tokens} generated, {args.threads} threads"]
+    lines += [f"{name:24} {r['tokens_per_s']:8.1f} tok/s   first "
+              f"{r['same_tokens_as_llama_cpp']} tokens equal to llama.cpp's"
+              for name, r in results.items()]
+    if args.agreement:
+        a = results["llama.cpp"]["agreement"]
+        lines.append(f"llama.cpp greedy agreement with HF float32 (kv-accuracy prompts): "
+                     f"{a['greedy_agreement']:.1%}, {a['identical_prompts']}/{a['num_prompts']} "
+                     f"identical")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
-"""What the K/V rotation and the anchor tokens cost a decode step: four engines on the same
-weights and the same int8 pool size -- plain, rotated (Hadamard), calibrated (Hadamard + the K
-shift and q/k balance) and calibrated with anchor tokens (engine/kv_anchors.py, the default) --
-stepped alternately through the same decode batch so all see the same machine load; plus the transform's own ops timed alone (q balanced and rotated, k shifted, balanced
-and rotated, v rotated, the output rotated back, every layer) against the step.
+"""What the K/V rotation and the anchor tokens cost a decode step, in ms and as a share of it.
 
     python -m kvscope.benchmarks.rotation_cost [--batch 8] [--prompt 256] [--steps 40] [--json]
+
+Four engines on the same weights and the same int8 pool size -- plain, rotated (Hadamard),
+calibrated (Hadamard + the K shift and q/k balance) and calibrated with anchor tokens
+(engine/kv_anchors.py, the default) -- stepped alternately through the same decode batch so all
+see the same machine load; plus the transform's own ops timed alone (q balanced and rotated, k
+shifted, balanced and rotated, v rotated, the output rotated back, every layer) against the
+step.
 
 On CUDA the rotation is fused into the Triton KV write and attention kernels (no separate
 op), so there the step difference is the figure; on CPU the torch path runs it as four small
@@ -13,9 +16,9 @@ matmuls a layer.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
+
+from kvscope.benchmarks.timing import add_json_flag, per_call_seconds, print_result
 
 # (name, rotation, anchor tokens)
 SETTINGS = [("none", "none", 0), ("hadamard", "hadamard", 0), ("calibrated", "calibrated", 0),
@@ -48,14 +51,7 @@ def decode_engines(args):
     return engines
 
 
-def timed_step(engine, sync) -> float:
-    start = time.perf_counter()
-    engine.step()
-    sync()
-    return time.perf_counter() - start
-
-
-def rotation_ops_s(engine, sync, reps: int) -> float:
+def rotation_ops_s(engine, device: str, reps: int) -> float:
     """The torch path's rotation work of one decode step, alone: per layer q, k, v @ R and
     the output @ R^T (and, for a calibrated pool, the K shift/balance and q balance), for this
     batch's shapes."""
@@ -76,16 +72,15 @@ def rotation_ops_s(engine, sync, reps: int) -> float:
             rotate(balance_q(q, kb), r).to(dt), rotate(balance_k(kv, kb), r), rotate(kv, r)
             unrotate(q, r).to(dt)
 
-    one_step()
-    sync()
-    start = time.perf_counter()
-    for _ in range(reps):
-        one_step()
-    sync()
-    return (time.perf_counter() - start) / reps
+    return per_call_seconds(one_step, reps, device=device)
 
 
-def main(argv=None) -> int:
+def format_table(row: dict) -> str:
+    return "\n".join(f"{k:>24}: {v:.4g}" if isinstance(v, float) else f"{k:>24}: {v}"
+                     for k, v in row.items())
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rotation_cost", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="default")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -95,22 +90,21 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (1 keeps a shared machine from oversubscribing)")
-    p.add_argument("--json", action="store_true")
+    add_json_flag(p)
     args = p.parse_args(argv)
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     engines = decode_engines(args)
     times = {name: [] for name in engines}
     for _ in range(args.steps):
         for name, engine in engines.items():  # alternate: both see the same load
-            times[name].append(timed_step(engine, sync))
+            times[name].append(per_call_seconds(engine.step, warmup=0, device=args.device))
     step = {name: statistics.median(t) for name, t in times.items()}
     cpu = args.device == "cpu"
-    ops = {n: rotation_ops_s(engines[n], sync, 20) if cpu else None
+    ops = {n: rotation_ops_s(engines[n], args.device, 20) if cpu else None
            for n in ("hadamard", "calibrated")}
     row = {
         "device": args.device, "threads": torch.get_num_threads(), "kv_dtype": args.kv_dtype,
@@ -122,13 +116,9 @@ def main(argv=None) -> int:
         **{f"rotation_ops_ms_{n}": None if t is None else t * 1e3 for n, t in ops.items()},
         **{f"rotation_ops_share_{n}": None if t is None else t / step[n]
            for n, t in ops.items()},
-        "kv_bytes_per_token": {n: e.stats()["kv_bytes_per_token"] for n, e in engines.items()},
+        "kv_bytes_per_token": {n: e.stats().kv_bytes_per_token for n, e in engines.items()},
     }
-    if args.json:
-        print(json.dumps(row))
-    else:
-        for k, v in row.items():
-            print(f"{k:>24}: {v:.4g}" if isinstance(v, float) else f"{k:>24}: {v}")
+    print_result(row, format_table, args.json)
     return 0
 
 

@@ -1,7 +1,9 @@
-"""One chat at a time: decode tokens/s and greedy agreement with Hugging Face float32, for
-each weight format and model dtype (the measurements behind the CPU default).
+"""Decode tok/s and greedy agreement with HF float32 of one chat, per weight format and dtype.
 
     python -m kvscope.benchmarks.single_stream [--combos float32:dense bfloat16:int4 ...] [--json]
+
+One chat at a time, for each weight format and model dtype (the measurements behind the CPU
+default).
 
 Speed: the kv-accuracy prompt set's first prompt (chat template applied), `--tokens`
 generated with ignore_eos after a warm-up, best of `--repeats`; tok/s = tokens / seconds of
@@ -14,26 +16,28 @@ the longer reply's length (1.0 = identical).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
+
+from kvscope.benchmarks.timing import add_json_flag, best_of, print_result, progress_logger
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+log = progress_logger("single-stream")
 DEFAULT_COMBOS = ["float32:dense", "bfloat16:dense", "float32:int4", "bfloat16:int4",
                   "float32:int8", "bfloat16:int8"]
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m kvscope.benchmarks.single_stream", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m kvscope.benchmarks.single_stream",
+                                description=__doc__)
     p.add_argument("--model", default="default")
     p.add_argument("--combos", nargs="+", default=DEFAULT_COMBOS,
                    help="dtype:weights pairs, e.g. float32:dense bfloat16:int4")
     p.add_argument("--tokens", type=int, default=128, help="tokens timed per request")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--agree-tokens", type=int, default=48)
-    p.add_argument("--json", action="store_true")
+    add_json_flag(p)
     return p.parse_args(argv)
 
 
@@ -66,12 +70,8 @@ def decode_speed(llm, prompt: list[int], tokens: int, repeats: int) -> float:
     from kvscope.engine import SamplingParams
 
     llm.generate(prompt, SamplingParams(max_tokens=8))
-    best = 0.0
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        llm.generate(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True))
-        best = max(best, tokens / (time.perf_counter() - t0))
-    return best
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    return tokens / best_of(lambda: llm.generate(prompt, params), repeats, warmup=0)
 
 
 def run(args) -> dict:
@@ -86,7 +86,7 @@ def run(args) -> dict:
     prompts = reference = None
     for combo in args.combos:
         dtype, weights = combo.split(":")
-        print(f"[single-stream] {combo} ...", file=sys.stderr, flush=True)
+        log(f"{combo} ...")
         llm = LLM(EngineConfig(model=args.model, dtype=dtype, weights=weights), loaded=loaded)
         if prompts is None:
             prompts = [llm.apply_chat_template([{"role": "user", "content": q}])
@@ -95,35 +95,31 @@ def run(args) -> dict:
         outs = llm.generate(prompts, SamplingParams(max_tokens=args.agree_tokens))
         eos = loaded.eos_token_ids
         agree = [agreement(strip_eos(o.token_ids, eos), strip_eos(r, eos))
-                 for o, r in zip(outs, reference)]
+                 for o, r in zip(outs, reference, strict=True)]
         results[combo] = {
             "tokens_per_s": decode_speed(llm, prompts[0], args.tokens, args.repeats),
             "greedy_agreement": sum(agree) / len(agree),
             "identical_prompts": sum(a == 1.0 for a in agree),
             "num_prompts": len(agree),
-            "weights": llm.stats()["weights"],
+            "weights": llm.stats().weights,
             "weight_bytes": sum(t.nbytes for t in llm.engine.model.tensors()),
         }
         del llm
     return results
 
 
-def print_table(results: dict) -> None:
-    print(f"{'dtype:weights':16} {'tok/s':>8} {'agree w/ HF f32':>16} {'identical':>10} "
-          f"{'weight MiB':>11}")
-    for combo, r in results.items():
-        print(f"{combo:16} {r['tokens_per_s']:8.1f} {r['greedy_agreement']:15.1%} "
+def format_table(results: dict) -> str:
+    lines = [(f"{'dtype:weights':16} {'tok/s':>8} {'agree w/ HF f32':>16} {'identical':>10} "
+              f"{'weight MiB':>11}")]
+    lines += [f"{combo:16} {r['tokens_per_s']:8.1f} {r['greedy_agreement']:15.1%} "
               f"{r['identical_prompts']:>5}/{r['num_prompts']:<4} "
-              f"{r['weight_bytes'] / 2**20:11.1f}")
+              f"{r['weight_bytes'] / 2**20:11.1f}" for combo, r in results.items()]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    results = run(args)
-    if args.json:
-        print(json.dumps(results))
-    else:
-        print_table(results)
+    print_result(run(args), format_table, args.json)
     return 0
 
 

@@ -1,28 +1,29 @@
-"""Where a decode step goes: attention (the paged gather, scores, softmax and weighted sum),
-the KV write, the matmuls, and the rest, for N sequences decoding at a given context length.
+"""Where a decode step's time goes: attention, the KV write, the matmuls and the rest, on CPU.
 
     python -m kvscope.benchmarks.step_profile [--dtype bfloat16] [--weights dense] [--seqs 16]
-                                      [--context 160] [--steps 20] [--threads N] [--json]
+        [--context 160] [--steps 20] [--threads N] [--json]
 
-The N sequences are prefilled with --context random tokens each (no prefix sharing), then
---steps decode steps of the engine are timed (LLM engine.step, greedy). Inside the step the
-model's attention calls (engine.model.paged_attention: the paged gather, QK^T, softmax
-and PV), its KV writes (engine.model.write_kv, quantizing for 1-byte KV) and its matmul calls (each layer's qkv, o, gate_up and
-down, and the LM head) are timed with perf_counter wrappers, so the shares add up against
-the step's wall time on one thread of work. Shares, not absolute times, are what to compare
-on a shared machine.
+N sequences decode at a given context length: each is prefilled with --context random tokens
+(no prefix sharing), then --steps decode steps of the engine are timed (LLM engine.step,
+greedy). Inside the step the model's attention calls (engine.model.paged_attention: the paged
+gather, QK^T, softmax and PV), its KV writes (engine.model.write_kv, quantizing for 1-byte KV)
+and its matmul calls (each layer's qkv, o, gate_up and down, and the LM head) are timed with
+perf_counter wrappers, so the shares add up against the step's wall time on one thread of
+work. Shares, not absolute times, are what to compare on a shared machine.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
 
+from kvscope.benchmarks.timing import add_json_flag, per_call_seconds, print_result
+
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m kvscope.benchmarks.step_profile", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m kvscope.benchmarks.step_profile",
+                                description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default")
     p.add_argument("--dtype", default="bfloat16")
@@ -32,7 +33,7 @@ def parse_args(argv):
     p.add_argument("--context", type=int, default=160)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--json", action="store_true")
+    add_json_flag(p)
     return p.parse_args(argv)
 
 
@@ -103,17 +104,15 @@ def run(args) -> dict:
     fused_kernels = (fused.attention, fused.int4, fused.dense)
     clocks = instrument(engine.model)
     try:
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            engine.step()
-        step = (time.perf_counter() - t0) / args.steps
+        step = per_call_seconds(engine.step, args.steps, warmup=0)
     finally:  # the module-level wrappers must not outlive this run
         model_module.paged_attention, model_module.write_kv = kernels
         fused.attention, fused.int4, fused.dense = fused_kernels
     attention, kv_write, matmul = (clocks[k].seconds / args.steps
                                    for k in ("attention", "kv_write", "matmul"))
     return {
-        "dtype": args.dtype, "weights": args.weights, "kv_dtype": str(engine.pool.dtype).removeprefix("torch."),
+        "dtype": args.dtype, "weights": args.weights,
+        "kv_dtype": str(engine.pool.dtype).removeprefix("torch."),
         "seqs": args.seqs, "context": args.context, "threads": torch.get_num_threads(),
         "step_ms": step * 1e3,
         "attention_ms": attention * 1e3, "kv_write_ms": kv_write * 1e3,
@@ -124,19 +123,20 @@ def run(args) -> dict:
     }
 
 
+def format_table(r: dict) -> str:
+    lines = [(f"{r['seqs']} sequences decoding at ~{r['context']} tokens of context, "
+              f"{r['dtype']} {r['weights']} weights, {r['kv_dtype']} KV, {r['threads']} threads"),
+             f"step        {r['step_ms']:8.2f} ms"]
+    lines += [f"{part:11} {r[part + '_ms']:8.2f} ms  {r[part + '_share']:6.1%}"
+              for part in ("attention", "kv_write", "matmul")]
+    other = r["step_ms"] - r["attention_ms"] - r["kv_write_ms"] - r["matmul_ms"]
+    lines.append(f"other       {other:8.2f} ms  {r['other_share']:6.1%}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    r = run(args)
-    if args.json:
-        print(json.dumps(r))
-        return 0
-    print(f"{r['seqs']} sequences decoding at ~{r['context']} tokens of context, "
-          f"{r['dtype']} {r['weights']} weights, {r['kv_dtype']} KV, {r['threads']} threads")
-    print(f"step        {r['step_ms']:8.2f} ms")
-    for part in ("attention", "kv_write", "matmul"):
-        print(f"{part:11} {r[part + '_ms']:8.2f} ms  {r[part + '_share']:6.1%}")
-    other = r["step_ms"] - r["attention_ms"] - r["kv_write_ms"] - r["matmul_ms"]
-    print(f"other       {other:8.2f} ms  {r['other_share']:6.1%}")
+    print_result(run(args), format_table, args.json)
     return 0
 
 

@@ -23,12 +23,21 @@ stdout (the table goes to stderr). The exit status is 1 when a correctness check
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import random
 import sys
 import time
+from collections.abc import Callable
+
+from kvscope.benchmarks.timing import (
+    add_json_flag,
+    is_cuda,
+    median_of,
+    print_result,
+    progress_logger,
+    sync_device,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -41,8 +50,7 @@ DECODE_CONFIGS = {  # name: (heads, kv_heads, head_dim)
 }
 
 
-def log(msg: str) -> None:
-    print(f"[gpu_check] {msg}", file=sys.stderr, flush=True)
+log = progress_logger("gpu_check")
 
 
 def torch_dtype(name: str):
@@ -73,7 +81,7 @@ def make_batch(kv_dtype, q_dtype, block_size, heads, kv_heads, head_dim, seqs, s
         bt[i, :len(t)] = torch.tensor(t)
     pool = poisoned_pool(kv_dtype, num_blocks, block_size, kv_heads, head_dim, device)
     slots, keys, values = [], [], []
-    for table, (_, ctx) in zip(tables, seqs):
+    for table, (_, ctx) in zip(tables, seqs, strict=True):
         pos = torch.arange(ctx)
         slots.append(torch.tensor(table)[pos // block_size] * block_size + pos % block_size)
         k = torch.randn(ctx, kv_heads, head_dim, generator=g)
@@ -127,7 +135,7 @@ def check_write(kv_name, block_size, kv_heads, head_dim, n, device, seed) -> dic
     write_kv_triton(key, value, got[0], got[1], slots, got[2], got[3])
     write_kv_ref(key, value, want[0], want[1], slots, want[2], want[3])
     mismatches = 0
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         if a is not None:
             mismatches += int((bits(a) != bits(b)).sum())
     written = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=device)
@@ -229,26 +237,14 @@ def correctness(device, small: bool, seed: int) -> list[dict]:
 
 
 # -- timing ----------------------------------------------------------------------------------
-def bench_ms(fn, device="cuda") -> float:
+def bench_ms(fn: Callable[[], object], device: object = "cuda") -> float:
     """Median milliseconds: on CUDA triton.testing.do_bench (warm-up, L2 flushed between
-    runs); elsewhere (dry runs of this script's code) a plain wall-clock median."""
-    if torch_device_type(device) == "cuda":
+    runs); elsewhere (dry runs of this script's code) a plain wall-clock median of 3."""
+    if is_cuda(device):
         import triton.testing
 
         return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
-    fn()
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[1]
-
-
-def torch_device_type(device) -> str:
-    import torch
-
-    return torch.device(device).type
+    return median_of(fn, 3, device=device) * 1e3
 
 
 def copy_bandwidth(device) -> float:
@@ -349,13 +345,6 @@ def time_decode(name, heads, kv_heads, head_dim, kv_name, batch, ctx, block_size
     return row
 
 
-def sync(device) -> None:
-    import torch
-
-    if torch_device_type(device) == "cuda":
-        torch.cuda.synchronize()
-
-
 # -- end to end ------------------------------------------------------------------------------
 def end_to_end(seed: int, quick: bool, device: str = "cuda") -> dict:
     import torch
@@ -399,11 +388,11 @@ def end_to_end(seed: int, quick: bool, device: str = "cuda") -> dict:
                                       eng.model.shape.vocab_size, special_token_ids(tok))
             warm = [[100 + i for i in range(24)]] * 2
             llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True))
-            sync(device)
+            sync_device(device)
             t0 = time.perf_counter()
             outs = llm.generate([r.prompt for r in reqs],
                                 SamplingParams(max_tokens=out_len, ignore_eos=True))
-            sync(device)
+            sync_device(device)
             s = time.perf_counter() - t0
             result["engine"][kv] = {
                 "seconds": s, "tokens_per_s": n * out_len / s, "load_seconds": load_s,
@@ -418,20 +407,20 @@ def end_to_end(seed: int, quick: bool, device: str = "cuda") -> dict:
             pad = base.tokenizer.eos_token_id if base.tokenizer.eos_token_id is not None else 0
             with torch.inference_mode():
                 hf_generate_batch(hf_model, reqs[:2], pad, device)
-                sync(device)
+                sync_device(device)
                 t0 = time.perf_counter()
                 hf_out = hf_generate_batch(hf_model, reqs, pad, device)
-                sync(device)
+                sync_device(device)
                 s = time.perf_counter() - t0
             result["hf"] = {"seconds": s, "tokens_per_s": n * out_len / s, "batch_size": n}
-            for kv, r in result["engine"].items():
+            for r in result["engine"].values():
                 if "outputs" in r:
                     r["speedup_vs_hf"] = result["hf"]["seconds"] / r["seconds"]
                     r["requests_equal_to_hf"] = sum(
-                        a == b for a, b in zip(r["outputs"], hf_out)) / n
+                        a == b for a, b in zip(r["outputs"], hf_out, strict=True)) / n
                     r["tokens_equal_to_hf"] = sum(
-                        x == y for a, b in zip(r["outputs"], hf_out)
-                        for x, y in zip(a, b)) / (n * out_len)
+                        x == y for a, b in zip(r["outputs"], hf_out, strict=True)
+                        for x, y in zip(a, b, strict=False)) / (n * out_len)
             del hf_model
         except Exception as e:  # noqa: BLE001
             result["hf"] = {"error": f"{type(e).__name__}: {e}"}
@@ -499,9 +488,14 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def format_with_verdict(r: dict) -> str:
+    verdict = "all checks passed" if r["ok"] else "CHECKS FAILED"
+    return f"{format_report(r)}\n\n{verdict} (seed {r['seed']}, {r['seconds']:.0f} s)"
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gpu_check", description=__doc__.split("\n")[0])
-    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    add_json_flag(p, "one JSON object on stdout")
     p.add_argument("--skip-e2e", action="store_true", help="no engine / HF generate part")
     p.add_argument("--quick", action="store_true", help="smaller end-to-end workload")
     p.add_argument("--seed", type=int, default=None, help="default: random, reported")
@@ -543,13 +537,7 @@ def main(argv=None) -> int:
         report["gpu_skipped"] = "no CUDA device (torch.cuda.is_available() is False)"
     report["ok"] = all(c["ok"] for c in report["checks"])
     report["seconds"] = time.perf_counter() - t_start
-    table = format_report(report) + f"\n\n{'all checks passed' if report['ok'] else 'CHECKS FAILED'}" \
-        f" (seed {seed}, {report['seconds']:.0f} s)"
-    if args.json:
-        print(table, file=sys.stderr)
-        print(json.dumps(report))
-    else:
-        print(table)
+    print_result(report, format_with_verdict, args.json, table_to_stderr=True)
     return 0 if report["ok"] else 1
 
 

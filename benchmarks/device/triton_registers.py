@@ -1,8 +1,9 @@
-"""Registers and stack (spill) of the Triton attention kernel, compiled for NVIDIA GPUs on a
-machine without one: Triton lowers to PTX and its bundled ptxas and cuobjdump build and read
-the cubin, so no driver or device is needed.
+"""Registers, stack and KV-loop spills of the Triton attention kernel, compiled for NVIDIA GPUs.
 
     python -m kvscope.benchmarks.device.triton_registers [--caps 80 90] [--json]
+
+It compiles on a machine without a GPU: Triton lowers to PTX and its bundled ptxas and
+cuobjdump build and read the cubin, so no driver or device is needed.
 
 The configuration is the engine's decode step on SmolLM2 (head_dim 64, GQA 3, 16-row query
 tiles, 64-key tiles, bfloat16 dots, an int8 pool), and its prefill tile (64 rows), with and
@@ -13,12 +14,13 @@ the SASS (local loads and stores between the loop's head and its backward branch
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+
+from kvscope.benchmarks.timing import add_json_flag, print_result
 
 POINTERS = {"q_ptr": "*bf16", "k_cache_ptr": "*i8", "v_cache_ptr": "*i8",
             "block_tables_ptr": "*i64", "qsl_ptr": "*i32", "ctx_ptr": "*i32",
@@ -88,10 +90,16 @@ def loop_spills(sass: str) -> int:
     return sum(1 for at, line in code if lo <= at <= hi and ("LDL" in line or "STL" in line))
 
 
-def main(argv=None) -> int:
+def format_table(rows: list[dict]) -> str:
+    return "\n".join(f"sm_{r['sm']} {r['tile']:7} {r['variant']:20} {r['num_warps']} warps: "
+                     f"{r['registers']:3d} registers, {r['stack_bytes']:4d} bytes stack, "
+                     f"{r['loop_spills']} spill ops in the KV loop" for r in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="triton_registers", description=__doc__.split("\n")[0])
     p.add_argument("--caps", nargs="+", type=int, default=[80, 90])
-    p.add_argument("--json", action="store_true")
+    add_json_flag(p)
     args = p.parse_args(argv)
     rows = []
     for cap in args.caps:
@@ -103,13 +111,7 @@ def main(argv=None) -> int:
                     rows.append({"sm": cap, "tile": tile, "variant": name, "num_warps": warps,
                                  "registers": use.get("REG"), "stack_bytes": use.get("STACK"),
                                  "loop_spills": use["LOOP_SPILLS"]})
-    if args.json:
-        print(json.dumps(rows))
-    else:
-        for r in rows:
-            print(f"sm_{r['sm']} {r['tile']:7} {r['variant']:20} {r['num_warps']} warps: "
-                  f"{r['registers']:3d} registers, {r['stack_bytes']:4d} bytes stack, "
-                  f"{r['loop_spills']} spill ops in the KV loop")
+    print_result(rows, format_table, args.json)
     return 0
 
 
