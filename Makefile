@@ -1,8 +1,10 @@
+# bash, for `set -o pipefail` in typecheck (mypy's exit status through sed).
+SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test bench lint lint-imports clean
+.PHONY: setup run test bench lint lint-imports typecheck stage clean
 
 setup: $(STAMP)
 
@@ -20,18 +22,29 @@ $(STAMP): pyproject.toml
 run: setup
 	$(VENV)/bin/kvscope
 
-test: setup lint-imports
+test: setup lint-imports typecheck
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
-# grimp reads a package from its own folder, and ours is spread over the root's folders
-# (pyproject's package-dir); so the contracts run on a copy laid out as the wheel installs it.
+# grimp and mypy read a package from its own folder, and ours is spread over the root's folders
+# (pyproject's package-dir); so the import contracts and the type check run on a copy laid out
+# as the wheel installs it.
 LINT_TREE := build/lint-tree
-lint-imports: setup
+SUBPACKAGES := engine kernels ipc app kvmath benchmarks
+stage:
 	rm -rf $(LINT_TREE) && mkdir -p $(LINT_TREE)
 	cp -r kvscope $(LINT_TREE)/kvscope
-	for d in engine kernels ipc app kvmath benchmarks; do cp -r $$d $(LINT_TREE)/kvscope/$$d; done
+	for d in $(SUBPACKAGES); do cp -r $$d $(LINT_TREE)/kvscope/$$d; done
+
+lint-imports: setup stage
 	cd $(LINT_TREE) && PYTHONPATH=. $(CURDIR)/$(VENV)/bin/lint-imports $(CURDIR)/pyproject.toml
+
+# What it checks, and how strictly: pyproject.toml's [tool.mypy]. The reported paths are mapped
+# back from the copy (kvscope/engine/model.py) to the files to open (engine/model.py).
+typecheck: setup stage
+	set -o pipefail; cd $(LINT_TREE) && $(CURDIR)/$(VENV)/bin/mypy \
+		--config-file $(CURDIR)/pyproject.toml --cache-dir $(CURDIR)/build/mypy-cache \
+		| sed -E 's#^kvscope/($(subst $() ,|,$(SUBPACKAGES)))/#\1/#'
 
 bench: setup
 	$(VENV)/bin/kvscope bench

@@ -6,6 +6,7 @@ without importing torch.
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 from kvscope import __version__
 
@@ -16,7 +17,7 @@ _WHERE = {"LLM": "kvscope.engine.llm", "EngineConfig": "kvscope.engine.config",
           "RequestOutput": "kvscope.engine.outputs", "TokenDelta": "kvscope.engine.outputs"}
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _WHERE:
         return getattr(importlib.import_module(_WHERE[name]), name)
     raise AttributeError(f"module 'kvscope.engine' has no attribute {name!r}")

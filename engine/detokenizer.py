@@ -7,8 +7,12 @@ while the window ends in an incomplete UTF-8 sequence (U+FFFD) nothing is emitte
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kvscope.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def decode_delta(decode: Callable[[list[int]], str], seq: Sequence) -> str:
@@ -31,14 +35,15 @@ class Decoder:
     the decoder calls, and decoding is a pure function of the ids.
     """
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         core = getattr(tokenizer, "_tokenizer", None)
+        self._decode: Callable[[list[int]], str]
         if core is not None and hasattr(core, "decode") \
                 and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
             # skip_special_tokens passed by position: the Rust binding parses keywords slower.
             self._decode = lambda ids: core.decode(ids, True)
         else:
-            self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+            self._decode = lambda ids: _text(tokenizer.decode(ids, skip_special_tokens=True))
         self._single: dict[int, str] = {}
 
     def __call__(self, ids: list[int]) -> str:
@@ -48,6 +53,13 @@ class Decoder:
         if text is None:
             text = self._single[ids[0]] = self._decode(ids)
         return text
+
+
+def _text(decoded: str | list[str]) -> str:
+    """decode()'s result for one list of ids (typed for a batch too)."""
+    if not isinstance(decoded, str):
+        raise TypeError(f"decoding one list of ids gave {type(decoded).__name__}, not text")
+    return decoded
 
 
 def decode_rest(decode: Callable[[list[int]], str], seq: Sequence, emitted: str) -> str:

@@ -20,13 +20,17 @@ to bfloat16 after every add, which this step does not.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from kvscope.engine.weight_formats import INT4_GROUP, DenseLinear, Int4Linear
+from kvscope.engine.weight_formats import INT4_GROUP, DenseLinear, Int4Linear, Linear
 from kvscope.kernels import cpu_attention, cpu_linear, native, ops
+from kvscope.kernels.attention_ref import AttentionMetadata
+from kvscope.kernels.k_balance import KBalanceLayer
 
 BF16 = torch.bfloat16
 # kvscope_rope_write turns a head in a stack buffer of this many floats, and the glue holds a
@@ -35,7 +39,52 @@ MAX_HEAD_DIM = 1024
 ROW_MAX = 16384
 
 
-def matmul_rows(model) -> torch.dtype | None:
+# What this module reads of the model (engine.model.PagedLlama) and of the KV pool
+# (engine.kv_cache.KVPool), as protocols: engine.model imports this module and engine.kv_cache
+# imports engine.model, so importing either class here would close an import cycle.
+class FusedShape(Protocol):
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+
+
+class FusedLayer(Protocol):
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: Linear
+    o_proj: Linear
+    gate_up: Linear
+    down: Linear
+
+
+class FusedModel(Protocol):
+    device: str
+    dtype: torch.dtype
+    embed: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    scale: float
+    fused_rows: torch.dtype | None
+    fused_tables: Float32Tables | None
+
+    @property
+    def shape(self) -> FusedShape: ...
+
+    @property
+    def layers(self) -> Sequence[FusedLayer]: ...
+
+
+class FusedPool(Protocol):
+    caches: list[tuple[torch.Tensor, torch.Tensor]]
+    scales: list[tuple[torch.Tensor, torch.Tensor]] | None
+    dtype: torch.dtype
+    rotation: torch.Tensor | None
+    k_balance: list[KBalanceLayer] | None
+
+
+def matmul_rows(model: FusedModel) -> torch.dtype | None:
     """The dtype of the matmuls' input/output rows if the model's decode steps can fuse
     (bfloat16 for int4, the model's dtype for dense), else None."""
     linears = [getattr(layer, n) for layer in model.layers
@@ -65,44 +114,53 @@ class Float32Tables:
     sin: torch.Tensor
 
 
-def float32_tables(model) -> Float32Tables:
-    f32 = lambda t: t.float().contiguous()  # the same tensor when it is float32
-    return Float32Tables([f32(layer.input_norm) for layer in model.layers],
-                         [f32(layer.post_norm) for layer in model.layers],
-                         f32(model.cos), f32(model.sin))
+def float32_tables(model: FusedModel) -> Float32Tables:
+    return Float32Tables([_float32(layer.input_norm) for layer in model.layers],
+                         [_float32(layer.post_norm) for layer in model.layers],
+                         _float32(model.cos), _float32(model.sin))
 
 
-def supports_step(meta, pool) -> bool:
+def _float32(t: torch.Tensor) -> torch.Tensor:
+    return t.float().contiguous()  # the same tensor when it is float32
+
+
+def supports_step(meta: AttentionMetadata, pool: FusedPool) -> bool:
     return (not meta.prefill_seqs and pool.rotation is None and pool.k_balance is None
             and pool.scales is None
             and pool.dtype in (torch.float32, BF16) and native.available())
 
 
-def int4(x: torch.Tensor, linear: Int4Linear) -> torch.Tensor:
+def int4(x: torch.Tensor, linear: Linear) -> torch.Tensor:
     """bfloat16 x [T, in] -> bfloat16 [T, out], without the float32 round trip."""
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, linear.packed, INT4_GROUP,
-                                                      linear.scale_zero)
+    if not isinstance(linear, Int4Linear):  # matmul_rows chose int4 for every matmul
+        raise TypeError(f"an int4 decode step got a {type(linear).__name__}")
+    y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(  # torch.ops is typed Any
+        x, linear.packed, INT4_GROUP, linear.scale_zero)
+    return y
 
 
-def dense(x: torch.Tensor, linear: DenseLinear) -> torch.Tensor:
+def dense(x: torch.Tensor, linear: Linear) -> torch.Tensor:
+    if not isinstance(linear, DenseLinear):  # matmul_rows chose dense for every matmul
+        raise TypeError(f"a dense decode step got a {type(linear).__name__}")
     return cpu_linear.linear(x, linear.weight)
 
 
-def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
-              scale: float) -> torch.Tensor:
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              meta: AttentionMetadata, scale: float) -> torch.Tensor:
     return cpu_attention.paged_attention_cpu(q, k_cache, v_cache, meta, scale)
 
 
 @torch.inference_mode()
-def run_layers(model, input_ids: torch.Tensor, positions: torch.Tensor, meta, pool
-               ) -> torch.Tensor:
+def run_layers(model: FusedModel, input_ids: torch.Tensor, positions: torch.Tensor,
+               meta: AttentionMetadata, pool: FusedPool) -> torch.Tensor:
     """The residual stream [T, hidden] float32 after the last layer (before the final norm)."""
-    lib, s = native.library(), model.shape
-    io_dtype = model.fused_rows
+    lib, s = native.require_library(), model.shape
+    io_dtype, tables = model.fused_rows, model.fused_tables
+    if io_dtype is None or tables is None:
+        raise ValueError("this model's decode steps do not fuse (see matmul_rows)")
     io = int(io_dtype == BF16)
     mm = dense if io_dtype == model.dtype else int4  # int4 rows: bfloat16 in a float32 model
     rows, hidden, eps = len(input_ids), s.hidden_size, s.rms_norm_eps
-    tables = model.fused_tables
     h = F.embedding(input_ids, model.embed).float().contiguous()
     x = torch.empty(rows, hidden, dtype=io_dtype)
     q = torch.empty(rows, s.num_heads, s.head_dim)

@@ -55,12 +55,15 @@ class AnchorTable:
         """openings: per sequence (its first num_tokens token ids or None if it has fewer,
         first position computed this step, end position, its first row in the batch)."""
         self._step += 1
-        for key in self._pending:
-            self._free.append(self.entries.pop(key))
+        for pending in self._pending:
+            self._free.append(self.entries.pop(pending))
         self._pending = []
-        index, fill_rows, fill_slots = [], [], []
+        index: list[int] = []
+        fill_rows: list[int] = []
+        fill_slots: list[int] = []
         n = self.num_tokens
-        seen: dict = {}  # a step's sequences mostly share a few openings: look each up once
+        # A step's sequences mostly share a few openings: look each up once.
+        seen: dict[tuple[int, ...] | None, int] = {}
         for key, start, end, row in openings:
             entry = seen.get(key)
             if entry is None or entry < 0:
@@ -78,15 +81,15 @@ class AnchorTable:
         """The planned step ran: its claimed entries hold their openings' rows."""
         self._pending = []
 
-    def _lookup(self, key) -> int:
+    def _lookup(self, key: tuple[int, ...] | None) -> int:
         entry = self.entries.get(key) if key is not None else None
-        if entry is None:
+        if key is None or entry is None:
             return -1
         self.entries.move_to_end(key)
         self._used_in[entry] = self._step
         return entry
 
-    def _claim(self, key) -> int:
+    def _claim(self, key: tuple[int, ...]) -> int:
         """A free entry, or the least recently used one not used in this step; -1 if none."""
         if self._free:
             entry = self._free.pop()

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from kvscope.engine.kv_anchors import AnchorTable
-from kvscope.engine.model import ModelShape
+from kvscope.engine.model import LayerKV, ModelShape
 from kvscope.kernels.k_balance import KBalanceLayer
 from kvscope.kernels.quant import SCALE_DTYPE, is_quantized
 from kvscope.kernels.rotation import rotation_matrix
@@ -54,7 +54,7 @@ class KVPool:
         if (rotation == "calibrated") != (k_balance is not None):
             raise ValueError("a 'calibrated' pool needs its K balance, and only it takes one")
         dims = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
-        def zeros(size, dt):
+        def zeros(size: tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
             return torch.zeros(size, dtype=dt, device=device)
 
         caches = [(zeros(dims, dtype), zeros(dims, dtype)) for _ in range(shape.num_layers)]
@@ -75,7 +75,7 @@ class KVPool:
                    [kb.to(device) for kb in k_balance] if k_balance is not None else None,
                    anchors, table)
 
-    def layer(self, i: int) -> tuple:
+    def layer(self, i: int) -> LayerKV:
         """(k_cache, v_cache, k_scale, v_scale, k_balance, anchors) of layer i; scales are
         None unless quantized, k_balance None unless the keys are balanced, anchors (k, v)
         None unless the pool keeps anchor tokens."""

@@ -11,12 +11,17 @@ one sequence); tests/engine/test_k_balance.py checks its keys against the ones t
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from kvscope.engine.chat_template import chat_prompt_ids
 from kvscope.engine.model import PagedLlama, apply_rope, rms_norm
 from kvscope.kernels.k_balance import KBalanceLayer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 CALIBRATION_TEXT = (
     "The museum opened its new wing on a rainy Tuesday. Visitors queued under umbrellas, "
@@ -33,7 +38,7 @@ CALIBRATION_TEXT = (
 MAX_GAIN = 16.0
 
 
-def calibration_ids(tokenizer, max_len: int) -> list[int]:
+def calibration_ids(tokenizer: PreTrainedTokenizerBase, max_len: int) -> list[int]:
     """The calibration text as the model sees a chat turn (plain text if it has no template)."""
     try:
         ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": CALIBRATION_TEXT}])
@@ -84,7 +89,8 @@ def k_balance_from(q: torch.Tensor, k: torch.Tensor) -> KBalanceLayer:
     return KBalanceLayer.of(shift, gain.clamp(1 / MAX_GAIN, MAX_GAIN))
 
 
-def calibrate_k_balance(model: PagedLlama, tokenizer, max_len: int) -> list[KBalanceLayer]:
+def calibrate_k_balance(model: PagedLlama, tokenizer: PreTrainedTokenizerBase, max_len: int
+                        ) -> list[KBalanceLayer]:
     """Every layer's K balance for this model, on the model's device."""
     ids = calibration_ids(tokenizer, max_len)
     return [k_balance_from(q, k).to(model.device) for q, k in queries_and_keys(model, ids)]

@@ -3,19 +3,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvscope.engine import model_files
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
 
 @dataclass
 class LoadedModel:
     checkpoint: Path
-    hf_config: Any
+    hf_config: PretrainedConfig
     state_dict: dict[str, torch.Tensor]
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     eos_token_ids: set[int]
 
 
@@ -30,7 +33,8 @@ def load_model(model: str, dtype: torch.dtype) -> LoadedModel:
                        eos_token_ids(checkpoint, hf_config, tokenizer))
 
 
-def eos_token_ids(checkpoint: Path, hf_config, tokenizer) -> set[int]:
+def eos_token_ids(checkpoint: Path, hf_config: PretrainedConfig,
+                  tokenizer: PreTrainedTokenizerBase) -> set[int]:
     """Every id that ends a reply: the tokenizer's EOS and generation_config's list, as
     Hugging Face generate uses them."""
     ids: set[int] = set()

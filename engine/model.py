@@ -8,17 +8,34 @@ weight-only int4/int8 (engine.weight_formats).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from kvscope.engine import fused_decode
 from kvscope.engine.lm_head import RescoredHead
-from kvscope.engine.weight_formats import int4_supports, make_linear
+from kvscope.engine.weight_formats import Linear, int4_supports, make_linear
+from kvscope.kernels.anchors import Anchors
 from kvscope.kernels.attention_ref import AttentionMetadata
+from kvscope.kernels.k_balance import KBalanceLayer
 from kvscope.kernels.ops import paged_attention, write_kv
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+# One layer of the KV pool: (k_cache, v_cache, k_scale, v_scale, k_balance, anchors).
+LayerKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                KBalanceLayer | None, Anchors | None]
+
+
+class PagedPool(fused_decode.FusedPool, Protocol):
+    """The KV pool as the forward reads it (engine.kv_cache.KVPool, whose module imports this
+    one)."""
+
+    def layer(self, i: int) -> LayerKV: ...
 
 
 @dataclass
@@ -33,7 +50,7 @@ class ModelShape:
     max_position_embeddings: int
 
     @classmethod
-    def from_hf_config(cls, cfg) -> ModelShape:
+    def from_hf_config(cls, cfg: PretrainedConfig) -> ModelShape:
         heads = cfg.num_attention_heads
         return cls(
             num_layers=cfg.num_hidden_layers,
@@ -50,11 +67,11 @@ class ModelShape:
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: object            # a weight_formats linear: called as qkv(x)
-    o_proj: object
+    qkv: Linear
+    o_proj: Linear
     post_norm: torch.Tensor
-    gate_up: object
-    down: object
+    gate_up: Linear
+    down: Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -79,19 +96,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
-def rope_tables(hf_config, num_positions: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(hf_config: PretrainedConfig, num_positions: int, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin for every position, computed by transformers' own rotary module so every
     rope_scaling variant (linear, dynamic, llama3, yarn...) matches the reference exactly."""
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    rotary = LlamaRotaryEmbedding(config=hf_config)
+    # Typed for a LlamaConfig, but it reads only the RoPE fields every Llama-family config has.
+    rotary = LlamaRotaryEmbedding(config=hf_config)  # type: ignore[arg-type]
     positions = torch.arange(num_positions)[None, :]
     probe = torch.zeros(1, dtype=torch.float32)
     cos, sin = rotary(probe, positions)
     return cos[0].to(dtype), sin[0].to(dtype)
 
 
-def make_head(head: torch.Tensor | None, embed: torch.Tensor, weights: str):
+def make_head(head: torch.Tensor | None, embed: torch.Tensor, weights: str
+              ) -> Linear | RescoredHead:
     """The LM head. Tied to the embedding (SmolLM: `head` is None) under int4 weights: int4
     logits rescored from the embedding's dense rows (engine.lm_head), which the lookup keeps
     anyway. An untied head in int4 is int8 instead (more exact than int4, and a dense copy
@@ -102,15 +122,26 @@ def make_head(head: torch.Tensor | None, embed: torch.Tensor, weights: str):
                        "int8" if weights == "int4" else weights)
 
 
+def fused_bias(biases: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The bias of projections fused into one matmul: theirs end to end, None if none has one."""
+    present = [b for b in biases if b is not None]
+    if not present:
+        return None
+    if len(present) < len(biases):
+        raise ValueError("only some of the projections fused into one matmul have a bias")
+    return torch.cat(present).contiguous()
+
+
 class PagedLlama:
-    def __init__(self, hf_config, state_dict: dict[str, torch.Tensor], device: str,
-                 dtype: torch.dtype, max_model_len: int, weights: str = "dense") -> None:
+    def __init__(self, hf_config: PretrainedConfig, state_dict: dict[str, torch.Tensor],
+                 device: str, dtype: torch.dtype, max_model_len: int, weights: str = "dense"
+                 ) -> None:
         if hf_config.model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"model_type {hf_config.model_type!r} is not supported: "
                              f"expected one of {SUPPORTED_ARCHITECTURES}")
         self.shape = ModelShape.from_hf_config(hf_config)
         self.device, self.dtype, self.weights = device, dtype, weights
-        self.scale = self.shape.head_dim ** -0.5
+        self.scale: float = self.shape.head_dim ** -0.5
         sd = {k.removeprefix("model."): v.to(device=device, dtype=dtype)
               for k, v in state_dict.items() if v.is_floating_point()}
         self.embed = sd["embed_tokens.weight"]
@@ -128,15 +159,13 @@ class PagedLlama:
         self.fused_tables = fused_decode.float32_tables(self) if self.fused_decode else None
 
     @staticmethod
-    def _layer(sd: dict, i: int, weights: str) -> LayerWeights:
+    def _layer(sd: dict[str, torch.Tensor], i: int, weights: str) -> LayerWeights:
         p = f"layers.{i}."
         qkv = [sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]
         bias = [sd.get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
         return LayerWeights(
             input_norm=sd[p + "input_layernorm.weight"],
-            qkv=make_linear(torch.cat(qkv).contiguous(),
-                            torch.cat(bias).contiguous() if bias[0] is not None else None,
-                            weights),
+            qkv=make_linear(torch.cat(qkv).contiguous(), fused_bias(bias), weights),
             o_proj=make_linear(sd[p + "self_attn.o_proj.weight"], None, weights),
             post_norm=sd[p + "post_attention_layernorm.weight"],
             gate_up=make_linear(torch.cat([sd[p + "mlp.gate_proj.weight"],
@@ -156,7 +185,7 @@ class PagedLlama:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                pool) -> torch.Tensor:
+                pool: PagedPool) -> torch.Tensor:
         """Hidden states [T, hidden] of the flattened batch, after the final norm."""
         eps = self.shape.rms_norm_eps
         if self.fused_decode and fused_decode.supports_step(meta, pool):
@@ -170,7 +199,8 @@ class PagedLlama:
             h = h + self._mlp(layer, rms_norm(h, layer.post_norm, eps))
         return rms_norm(h, self.final_norm, eps)
 
-    def _attention(self, layer, x, cos, sin, meta, kv) -> torch.Tensor:
+    def _attention(self, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, meta: AttentionMetadata, kv: LayerKV) -> torch.Tensor:
         s = self.shape
         qkv = layer.qkv(x)
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
@@ -187,7 +217,7 @@ class PagedLlama:
         return layer.o_proj(o.reshape(-1, q_size))
 
     @staticmethod
-    def _mlp(layer, x) -> torch.Tensor:
+    def _mlp(layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         gate_up = layer.gate_up(x)
         half = gate_up.shape[-1] // 2
         return layer.down(F.silu(gate_up[:, :half]) * gate_up[:, half:])

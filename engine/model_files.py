@@ -14,10 +14,11 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedTokenizerBase
 
 # Before any transformers import: a missing local file must fail, never download.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -152,7 +153,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def _dequantize_kwargs() -> dict:
+def _dequantize_kwargs() -> dict[str, Any]:
     """Ask for plain float tensors so that save_pretrained accepts the model.
 
     Transformers 5 loads a GGUF behind a quantizer that refuses to be saved, even
@@ -166,16 +167,21 @@ def _dequantize_kwargs() -> dict:
     return {"quantization_config": GgufConfig(dequantize=True)}
 
 
-def load_tokenizer(checkpoint: Path):
+def load_tokenizer(checkpoint: Path) -> PreTrainedTokenizerBase:
     """The tokenizer saved next to the weights; local files only, never a hub."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
 
 
-def load_hf_config(checkpoint: Path) -> dict:
+def load_hf_config(checkpoint: Path) -> dict[str, Any]:
     """config.json as a dict: the engine builds its own model from these fields."""
-    return json.loads((Path(checkpoint) / "config.json").read_text())
+    path = Path(checkpoint) / "config.json"
+    config = json.loads(path.read_text())
+    if isinstance(config, dict):
+        return config
+    # A ValueError, as malformed JSON raises (json.JSONDecodeError): the file is bad, not a type.
+    raise ValueError(f"{path} holds JSON, but not an object")
 
 
 def load_state_dict(checkpoint: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import overload
 
 import torch
 
@@ -10,7 +11,7 @@ from kvscope.engine.kv_cache import KVPool
 from kvscope.engine.model import PagedLlama
 from kvscope.engine.scheduler import ScheduledSeq
 from kvscope.kernels import native
-from kvscope.kernels.attention_ref import AttentionMetadata, group_decode_rows
+from kvscope.kernels.attention_ref import AttentionMetadata, DecodeGroup, group_decode_rows
 
 
 class ModelRunner:
@@ -39,7 +40,8 @@ class ModelRunner:
             self.pool.anchor_table.commit()
         return hidden
 
-    def prepare(self, batch: list[ScheduledSeq]):
+    def prepare(self, batch: list[ScheduledSeq]
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Plain lists first, then every integer field packed into one buffer that becomes one
         tensor (one host-to-device copy) split into views: building a tensor per field, or
         from nested lists, cost more than all the list work at 64 sequences."""
@@ -48,7 +50,10 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         tables: list[list[int]] = []
-        starts, ctx_lens, last_rows, prefill = [0], [], [], []
+        starts = [0]
+        ctx_lens: list[int] = []
+        last_rows: list[int] = []
+        prefill: list[int] = []
         row = 0
         for i, item in enumerate(batch):
             seq, n = item.seq, item.num_tokens
@@ -91,8 +96,10 @@ class ModelRunner:
                      meta: AttentionMetadata) -> None:
         """Each sequence's anchor entry, and the rows that fill new ones (engine.kv_anchors)."""
         table = self.pool.anchor_table
+        if table is None:
+            return
         n = table.num_tokens
-        openings = []
+        openings: list[tuple[tuple[int, ...] | None, int, int, int]] = []
         for item, row in zip(batch, starts):
             seq = item.seq
             key = tuple(seq.token_ids[:n]) if len(seq.token_ids) >= n else None
@@ -104,7 +111,7 @@ class ModelRunner:
             meta.anchor_fill = (torch.tensor(plan.fill_rows, device=self.device),
                                 torch.tensor(plan.fill_slots, device=self.device))
 
-    def decode_groups(self, starts: list[int], ctx_lens: list[int]):
+    def decode_groups(self, starts: list[int], ctx_lens: list[int]) -> Sequence[DecodeGroup]:
         """The torch reference attention's decode groups. Built now when that reference is
         what runs (the CPU without its native kernels), so the profile counts them as host
         work; otherwise on first use, which the Triton kernels and the native CPU decode
@@ -114,7 +121,7 @@ class ModelRunner:
         return DecodeGroups(starts, ctx_lens)
 
 
-class DecodeGroups(Sequence):
+class DecodeGroups(Sequence[DecodeGroup]):
     """kernels.attention_ref.group_decode_rows of a step, built on first use.
 
     Only the torch reference attention reads the decode groups; the Triton kernels and the
@@ -124,21 +131,27 @@ class DecodeGroups(Sequence):
     """
 
     def __init__(self, starts: list[int], ctx_lens: list[int]) -> None:
-        self._args: tuple | None = (starts, ctx_lens)
-        self._groups: list = []
+        self._args: tuple[list[int], list[int]] | None = (starts, ctx_lens)
+        self._groups: list[DecodeGroup] = []
 
-    def _built(self) -> list:
+    def _built(self) -> list[DecodeGroup]:
         if self._args is not None:
             self._groups, self._args = group_decode_rows(*self._args), None
         return self._groups
 
-    def __getitem__(self, i):
+    @overload
+    def __getitem__(self, i: int) -> DecodeGroup: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[DecodeGroup]: ...
+
+    def __getitem__(self, i: int | slice) -> DecodeGroup | list[DecodeGroup]:
         return self._built()[i]
 
     def __len__(self) -> int:
         return len(self._built())
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[DecodeGroup]:
         return iter(self._built())
 
 

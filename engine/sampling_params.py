@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 
-def _fail(name: str, value, allowed: str) -> None:
+def _fail(name: str, value: object, allowed: str) -> NoReturn:
     raise ValueError(f"SamplingParams.{name}={value!r} is invalid: expected {allowed}")
 
 
@@ -47,9 +48,9 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def _is_int(x) -> bool:
+def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_number(x) -> bool:
+def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)

@@ -19,14 +19,16 @@ def token_log_probs(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
     """[len-1, vocab] log-softmax of the next-token distribution after each prefix."""
     assert not engine.has_unfinished(), "score on an idle engine"
     seq = Sequence("score", list(token_ids), SamplingParams(max_tokens=1))
-    bm = engine.block_manager
+    bm, runner = engine.block_manager, engine.runner
+    if bm is None or runner is None:  # only until the engine has built its first pool
+        raise RuntimeError("the engine has no KV pool")
     if not bm.can_allocate(seq, [], len(token_ids)):
         raise ValueError(f"{len(token_ids)} tokens do not fit in the KV pool")
     bm.allocate(seq, [], len(token_ids))
     try:
         item = ScheduledSeq(seq, len(token_ids))
-        input_ids, positions, meta, _ = engine.runner.prepare([item])
-        hidden = engine.runner.forward(input_ids, positions, meta)
+        input_ids, positions, meta, _ = runner.prepare([item])
+        hidden = runner.forward(input_ids, positions, meta)
         logits = engine.model.compute_logits(hidden[:-1])
     finally:
         bm.free(seq)

@@ -43,7 +43,8 @@ class DenseLinear:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.weight.shape)
+        out_features, in_features = self.weight.shape
+        return out_features, in_features
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.weight, self.bias) if t is not None]
@@ -55,7 +56,7 @@ class Int4Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = weight.shape
         codes, scale_zero = quantize_int4(weight.float())
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        self.packed: torch.Tensor = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
         self.scale_zero = scale_zero.to(KERNEL_DTYPE)
         self.bias = bias
 
@@ -97,7 +98,7 @@ class Int8Linear:
         scales = torch.cat([16 * scale, scale])
         zeros = torch.cat([torch.zeros_like(scale), 8 * scale])
         scale_zero = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(halves, 1)
+        self.packed: torch.Tensor = torch.ops.aten._convert_weight_to_int4pack_for_cpu(halves, 1)
         self.scale_zero = scale_zero.to(KERNEL_DTYPE)
         self.bias = bias
 
@@ -113,6 +114,11 @@ class Int8Linear:
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.packed, self.scale_zero, self.bias) if t is not None]
+
+
+# A matmul weight in any of the formats: called as linear(x), with .shape (out, in), .bias and
+# .tensors().
+Linear = DenseLinear | Int4Linear | Int8Linear
 
 
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,11 +149,12 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) -> 
     agreement with float32 Hugging Face rose only about 6 points (the bfloat16 scales bound
     it) for a slower call, so the input is simply rounded.
     """
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(
-        x.to(KERNEL_DTYPE), packed, INT4_GROUP, scale_zero).to(x.dtype)
+    y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(  # torch.ops is typed Any
+        x.to(KERNEL_DTYPE), packed, INT4_GROUP, scale_zero)
+    return y.to(x.dtype)
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str):
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str) -> Linear:
     """The weight in `fmt` ('dense', 'int4' or 'int8'); dense for a shape the int4 kernel
     cannot tile (rows not a multiple of 16 or inputs not of 32)."""
     if fmt == "dense" or not int4_supports(weight):

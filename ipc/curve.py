@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -48,7 +49,7 @@ class ServerAuth:
         self._authenticators: dict[int, ThreadAuthenticator] = {}
         self._lock = threading.Lock()
 
-    def authenticate(self, ctx: zmq.Context) -> None:
+    def authenticate(self, ctx: zmq.Context[Any]) -> None:
         """Start ctx's authenticator unless it runs already."""
         with self._lock:
             if id(ctx) in self._authenticators:
@@ -58,7 +59,7 @@ class ServerAuth:
             auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=self.clients)
             self._authenticators[id(ctx)] = auth
 
-    def release(self, ctx: zmq.Context) -> None:
+    def release(self, ctx: zmq.Context[Any]) -> None:
         """Stop ctx's authenticator (before ctx.term(), which would wait for it forever)."""
         with self._lock:
             auth = self._authenticators.pop(id(ctx), None)
@@ -72,7 +73,7 @@ class ServerAuth:
             auth.stop()
 
 
-def secure_server_socket(sock: zmq.Socket, auth: ServerAuth | None) -> None:
+def secure_server_socket(sock: zmq.Socket[Any], auth: ServerAuth | None) -> None:
     """Before bind: sock speaks CURVE and admits only allowed client keys. None: plain."""
     if auth is None:
         return
@@ -85,7 +86,7 @@ def secure_server_socket(sock: zmq.Socket, auth: ServerAuth | None) -> None:
     sock.setsockopt(zmq.CURVE_SERVER, 1)
 
 
-def secure_client_socket(sock: zmq.Socket, keys: ClientKeys | None) -> None:
+def secure_client_socket(sock: zmq.Socket[Any], keys: ClientKeys | None) -> None:
     """Before connect: sock authenticates with keys and checks the engine's key. None: plain."""
     if keys is None:
         return

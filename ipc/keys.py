@@ -54,7 +54,7 @@ def default_keys_dir() -> Path:
     return Path(base) / "kvscope" / "keys"
 
 
-def keys_dir(given: str | os.PathLike | None = None) -> Path:
+def keys_dir(given: str | os.PathLike[str] | None = None) -> Path:
     return Path(given).expanduser() if given else default_keys_dir()
 
 
@@ -87,7 +87,8 @@ def init_keys(folder: Path, force: bool = False) -> list[Path]:
     return written
 
 
-def allow_client(folder: Path, public_file: str | os.PathLike, name: str | None = None) -> Path:
+def allow_client(folder: Path, public_file: str | os.PathLike[str],
+                 name: str | None = None) -> Path:
     """Admit the client whose public key is in public_file; returns the file under
     allowed_clients/. Allowing a key already there changes nothing."""
     public = read_public(public_file)
@@ -104,7 +105,7 @@ def allow_client(folder: Path, public_file: str | os.PathLike, name: str | None 
     return target
 
 
-def trust_server(folder: Path, host: str, public_file: str | os.PathLike) -> Path:
+def trust_server(folder: Path, host: str, public_file: str | os.PathLike[str]) -> Path:
     """Remember the engine on host by its public key (read when attaching to tcp://host:...)."""
     public = read_public(public_file)
     target = _private_dir(folder / SERVERS) / f"{_safe_name(host)}.key"
@@ -113,7 +114,7 @@ def trust_server(folder: Path, host: str, public_file: str | os.PathLike) -> Pat
 
 
 # -- reading ------------------------------------------------------------------------------
-def read_public(path: str | os.PathLike) -> bytes:
+def read_public(path: str | os.PathLike[str]) -> bytes:
     """The Z85 public key of a certificate file. A file that also holds a secret key is
     refused: public keys are what travels between machines."""
     path = Path(path)
@@ -144,7 +145,7 @@ def load_client_keys(folder: Path, host: str | None = None) -> ClientKeys:
     return ClientKeys(public, secret, read_public(server_file))
 
 
-def client_keys_for(endpoint: str, folder: str | os.PathLike | None = None,
+def client_keys_for(endpoint: str, folder: str | os.PathLike[str] | None = None,
                     curve: bool | None = None) -> ClientKeys | None:
     """The keys to attach to endpoint with, or None for plain text. curve None (auto): CURVE
     when a folder is given or the endpoint is off loopback; True: always; False: never."""

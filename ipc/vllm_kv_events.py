@@ -103,8 +103,11 @@ class _ArrayAllBlocksCleared(_ArrayEvent, tag="AllBlocksCleared"):
     pass
 
 
+_ArrayKVEvent = _ArrayBlockStored | _ArrayBlockRemoved | _ArrayAllBlocksCleared
+
+
 class _ArrayEventBatch(EventBatch):
-    events: list[_ArrayBlockStored | _ArrayBlockRemoved | _ArrayAllBlocksCleared]
+    events: list[_ArrayKVEvent]
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -132,7 +135,7 @@ def decode_batch(payload: bytes) -> KVEventBatch:
     return KVEventBatch(old.ts, [_upgrade(e) for e in old.events], old.data_parallel_rank)
 
 
-def _upgrade(event) -> KVEvent:
+def _upgrade(event: _ArrayKVEvent) -> KVEvent:
     if isinstance(event, _ArrayBlockStored):
         return BlockStored(event.block_hashes, event.parent_block_hash, event.token_ids,
                            event.block_size, event.lora_id, event.medium, event.lora_name)

@@ -7,6 +7,7 @@ untrusted: one that does not decode is counted and skipped, never raised.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 
@@ -28,7 +29,7 @@ class SubscriberCounters:
 
 class KVEventSubscriber:
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
-                 ctx: zmq.Context | None = None, hwm: int = 100_000,
+                 ctx: zmq.Context[Any] | None = None, hwm: int = 100_000,
                  keys: ClientKeys | None = None) -> None:
         """hwm: batches queued here before ZeroMQ drops newer ones (a gap, replayed later).
         keys: CURVE keys for a `kvscope serve` off loopback (None: plain, as vLLM speaks)."""
@@ -40,7 +41,7 @@ class KVEventSubscriber:
         self.sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         secure_client_socket(self.sub, keys)
         self.sub.connect(endpoint)
-        self.replay = None
+        self.replay: zmq.Socket[bytes] | None = None
         if replay_endpoint:
             self.replay = self.ctx.socket(zmq.DEALER)
             self.replay.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
@@ -87,7 +88,7 @@ class KVEventSubscriber:
         cannot give is counted as missed."""
         got: list[tuple[int, v.KVEventBatch]] = []
         if self.replay is not None:
-            self._drop_stale_replies()
+            self._drop_stale_replies(self.replay)
             try:  # a refused handshake leaves no pipe: a blocking send would never return
                 self.replay.send_multipart([b"", start.to_bytes(8, "big")], zmq.NOBLOCK)
                 sent = True
@@ -114,11 +115,12 @@ class KVEventSubscriber:
             self._count_gap(until)
         return got
 
-    def _drop_stale_replies(self) -> None:
+    @staticmethod
+    def _drop_stale_replies(replay: zmq.Socket[bytes]) -> None:
         """The rest of an earlier replay that timed out: its end marker would end the next."""
         while True:
             try:
-                self.replay.recv_multipart(zmq.NOBLOCK)
+                replay.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
 

@@ -6,6 +6,7 @@ already in the pool; each query attends causally to everything up to its own pos
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +14,12 @@ import torch.nn.functional as F
 
 from kvscope.kernels.anchors import Anchors, overlay_anchors
 from kvscope.kernels.quant import dequantize
+
+# One group of single-query sequences: (query rows, context lengths, batch indices).
+DecodeGroup = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+# One layer's pool as the references read it: (k_cache, v_cache, k_scale, v_scale, anchors).
+LayerPool = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                  Anchors | None]
 
 
 @dataclass
@@ -22,8 +29,9 @@ class AttentionMetadata:
     context_lens: list[int]           # [B] tokens in the cache after this step's write
     block_tables: torch.Tensor        # [B, max_blocks] int64, padded with 0
     slot_mapping: torch.Tensor        # [T] int64
-    # Single-query sequences in groups of similar length: (query rows, context lengths, batch indices).
-    decode_groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    # Single-query sequences in groups of similar length (engine.model_runner builds them
+    # lazily, as a Sequence that groups on first use).
+    decode_groups: Sequence[DecodeGroup]
     prefill_seqs: list[int]           # indices of sequences with several queries
     # The pool's K/V rotation R [head_dim, head_dim] (kernels.rotation), None if unrotated;
     # kernels.ops applies it, the references here always see plain tensors.
@@ -36,7 +44,7 @@ class AttentionMetadata:
 
 def group_decode_rows(query_start_loc: list[int], context_lens: list[int],
                       max_group: int = 256, max_padding: float = 0.25
-                      ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+                      ) -> list[DecodeGroup]:
     """Decode sequences sorted by length and cut into as few groups as keep the padding
     (gathered slots past a sequence's length) under `max_padding` of a group's slots, so
     one long sequence does not make every short one gather out to its length, while
@@ -96,7 +104,7 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     sequences that have an entry."""
     if meta.anchor_index is None:
         anchors = None
-    pool = (k_cache, v_cache, k_scale, v_scale, anchors)
+    pool: LayerPool = (k_cache, v_cache, k_scale, v_scale, anchors)
     plans = decode_plans(meta, k_cache.shape[1], query.device)
     if len(plans) == 1 and not meta.prefill_seqs and plans[0].rows == slice(0, len(query)):
         # Every row decodes in one group, in order (a single chat, a steady batch): the
@@ -124,10 +132,11 @@ class DecodePlan:
     anchor_index: torch.Tensor | None = None  # [b] the group's anchor entries (-1: none)
 
 
-def decode_plans(meta: AttentionMetadata, block_size: int, device) -> list[DecodePlan]:
+def decode_plans(meta: AttentionMetadata, block_size: int, device: torch.device | str
+                 ) -> list[DecodePlan]:
     """The step's decode plans, built on the first layer's call and kept on `meta`."""
-    key = ("_decode_plans", block_size)
-    plans = meta.__dict__.get(key)
+    key = f"_decode_plans_{block_size}"
+    plans: list[DecodePlan] | None = meta.__dict__.get(key)
     if plans is None:
         plans = [_plan(meta.block_tables, g, block_size, device) for g in meta.decode_groups]
         if meta.anchor_index is not None:
@@ -138,7 +147,8 @@ def decode_plans(meta: AttentionMetadata, block_size: int, device) -> list[Decod
     return plans
 
 
-def _plan(block_tables, group, block_size, device) -> DecodePlan:
+def _plan(block_tables: torch.Tensor, group: DecodeGroup, block_size: int,
+          device: torch.device | str) -> DecodePlan:
     rows, lens, seqs = group
     rows_l, lens_l = rows.tolist(), lens.tolist()
     max_blocks = -(-max(lens_l) // block_size)
@@ -155,7 +165,8 @@ def _plan(block_tables, group, block_size, device) -> DecodePlan:
         flat_blocks=flat.reshape(-1).contiguous(), num_seqs=len(rows_l), span=span, mask=mask)
 
 
-def _decode_attention(query, pool, plan: DecodePlan, scale) -> torch.Tensor:
+def _decode_attention(query: torch.Tensor, pool: LayerPool, plan: DecodePlan, scale: float
+                      ) -> torch.Tensor:
     """A group of single-query sequences at once: one gather of their blocks, then SDPA in
     float32 (CPU SDPA in bfloat16 measured 2-3x slower at one query row), masking the slots
     past each sequence's length. The query heads that share a KV head become that head's
@@ -167,7 +178,7 @@ def _decode_attention(query, pool, plan: DecodePlan, scale) -> torch.Tensor:
     v = gather_blocks(v_cache, plan.flat_blocks, v_scale, torch.float32)
     k = k.view(b, plan.span, kv_heads, head_dim)
     v = v.view(b, plan.span, kv_heads, head_dim)
-    if anchors is not None:
+    if anchors is not None and plan.anchor_index is not None:
         overlay_anchors(k, plan.anchor_index, anchors[0])
         overlay_anchors(v, plan.anchor_index, anchors[1])
     q = query[plan.rows].float().view(b, kv_heads, heads // kv_heads, head_dim)
@@ -176,13 +187,14 @@ def _decode_attention(query, pool, plan: DecodePlan, scale) -> torch.Tensor:
     return o.view(b, heads, head_dim)
 
 
-def _prefill_attention(query, pool, meta, i, scale, out) -> None:
+def _prefill_attention(query: torch.Tensor, pool: LayerPool, meta: AttentionMetadata, i: int,
+                       scale: float, out: torch.Tensor) -> None:
     k_cache, v_cache, k_scale, v_scale, anchors = pool
     start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
     q_len, ctx = end - start, meta.context_lens[i]
     k = gather_context(k_cache, meta.block_tables[i], ctx, k_scale, query.dtype)
     v = gather_context(v_cache, meta.block_tables[i], ctx, v_scale, query.dtype)
-    if anchors is not None:
+    if anchors is not None and meta.anchor_index is not None:
         index = meta.anchor_index[i:i + 1].to(k.device)
         overlay_anchors(k[None], index, anchors[0])
         overlay_anchors(v[None], index, anchors[1])

@@ -12,11 +12,13 @@ import torch
 
 from kvscope.kernels import native
 from kvscope.kernels.anchors import Anchors
-from kvscope.kernels.attention_ref import AttentionMetadata, paged_attention_ref
+from kvscope.kernels.attention_ref import AttentionMetadata, LayerPool, paged_attention_ref
 
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3,
          torch.float8_e4m3fn: 4}
 IO_DTYPES = (torch.float32, torch.bfloat16)  # query/output rows the kernel reads and writes
+# (query rows, block tables, context lengths, anchor entries or None) of a step's decode rows.
+DecodeRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -35,7 +37,8 @@ def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if not len(rows):
         return paged_attention_ref(query, k_cache, v_cache, meta, scale, k_scale, v_scale,
                                    anchors)
-    pool = (k_cache, v_cache, k_scale, v_scale, anchors if anchor_idx is not None else None)
+    pool: LayerPool = (k_cache, v_cache, k_scale, v_scale,
+                       anchors if anchor_idx is not None else None)
     if not meta.prefill_seqs and query.dtype in IO_DTYPES:  # rows in and out as they are
         q = query.contiguous()
         out = torch.empty_like(q)
@@ -51,11 +54,11 @@ def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out.to(query.dtype)
 
 
-def decode_rows(meta: AttentionMetadata):
+def decode_rows(meta: AttentionMetadata) -> DecodeRows:
     """(query rows, block tables, context lengths, anchor entries or None) of the step's
     decode rows, int64 and contiguous, worked out on the first layer's call and kept on
     `meta`."""
-    got = meta.__dict__.get("_cpu_decode_rows")
+    got: DecodeRows | None = meta.__dict__.get("_cpu_decode_rows")
     if got is None:
         qsl, ctx = meta.query_start_loc, meta.context_lens
         idx = [i for i in range(len(ctx)) if qsl[i + 1] - qsl[i] == 1]
@@ -77,13 +80,15 @@ def _prefill_only(meta: AttentionMetadata) -> AttentionMetadata:
                              meta.anchor_index)
 
 
-def _run(out, q, rows, tables, lens, anchor_idx, pool, scale) -> None:
-    lib = native.library()
+def _run(out: torch.Tensor, q: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor,
+         lens: torch.Tensor, anchor_idx: torch.Tensor | None, pool: LayerPool, scale: float
+         ) -> None:
+    lib = native.require_library()
     k_cache, v_cache, k_scale, v_scale, anchors = pool
     _, block_size, kv_heads, head_dim = k_cache.shape
-    ptr = lambda t: None if t is None else t.data_ptr()
+    ptr = native.address
     ak, av = anchors if anchors is not None else (None, None)
-    if anchors is None:
+    if ak is None or av is None:
         anchor_idx = None
     elif not (ak.is_contiguous() and av.is_contiguous() and ak.dtype == torch.float32):
         raise ValueError("anchor rows must be contiguous float32")

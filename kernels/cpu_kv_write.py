@@ -21,8 +21,8 @@ def supports(key: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 def write_int8(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: torch.Tensor,
-               v_scale: torch.Tensor, rotation: torch.Tensor | None = None,
+               v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: torch.Tensor | None,
+               v_scale: torch.Tensor | None, rotation: torch.Tensor | None = None,
                k_balance: KBalanceLayer | None = None) -> None:
     """As kernels.ops.write_kv on an int8 pool: key/value [T, kv_heads, head_dim]."""
     if k_scale is None or v_scale is None:
@@ -33,10 +33,11 @@ def write_int8(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     _write(value, slots, v_cache, v_scale, r, None)
 
 
-def _write(rows, slots, cache, scales, r, kb) -> None:
+def _write(rows: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor,
+           r: torch.Tensor | None, kb: KBalanceLayer | None) -> None:
     rows = rows.float().contiguous()
     num_rows, heads, d = rows.shape
-    ptr = lambda t: None if t is None else t.data_ptr()
-    native.library().kvscope_int8_write(
+    ptr = native.address
+    native.require_library().kvscope_int8_write(
         rows.data_ptr(), num_rows, heads, d, slots.data_ptr(), cache.data_ptr(),
         scales.data_ptr(), ptr(r), ptr(kb.shift if kb else None), ptr(kb.gain if kb else None))

@@ -48,9 +48,9 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor,
     rows = x.reshape(-1, k).contiguous()
     y = torch.empty((rows.shape[0], n), dtype=x.dtype)
     kind = KINDS[x.dtype]
-    status = native.library().kvscope_gemm(
+    status = native.require_library().kvscope_gemm(
         y.data_ptr(), kind, rows.data_ptr(), kind, weight.data_ptr(), kind,
-        None if bias_f32 is None else bias_f32.data_ptr(), rows.shape[0], n, k)
+        native.address(bias_f32), rows.shape[0], n, k)
     if status:
         raise MemoryError("the CPU matmul kernel could not allocate its scratch")
     return y.view(*x.shape[:-1], n)

@@ -20,7 +20,8 @@ def write_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     _write(value, v_cache, v_scale, slot_mapping)
 
 
-def _write(x, cache, scale_cache, slot_mapping) -> None:
+def _write(x: torch.Tensor, cache: torch.Tensor, scale_cache: torch.Tensor | None,
+           slot_mapping: torch.Tensor) -> None:
     num_slots = cache.shape[0] * cache.shape[1]
     flat = cache.view(num_slots, *cache.shape[2:])
     if not is_quantized(cache.dtype):

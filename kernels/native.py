@@ -18,6 +18,10 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "cpu_decode_attention.c", HERE / "cpu_decode_glue.c",
@@ -76,6 +80,21 @@ def library() -> ctypes.CDLL | None:
             fn.restype = ctypes.c_int if name in RETURNS_STATUS else None
         return lib
     return None
+
+
+def require_library() -> ctypes.CDLL:
+    """The loaded kernels, for a caller that found them `available()`; raises if they are not
+    (a caller that skipped the check would otherwise fail on None's missing attribute)."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the native CPU kernels are not available (disabled by {ENV}, or "
+                           "no C compiler could build them)")
+    return lib
+
+
+def address(t: torch.Tensor | None) -> int | None:
+    """A tensor's data pointer as a kernel argument; None (a NULL pointer) for no tensor."""
+    return None if t is None else t.data_ptr()
 
 
 def _load(compiler: str, flags: list[str], name: str) -> ctypes.CDLL | None:

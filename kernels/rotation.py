@@ -32,7 +32,7 @@ def hadamard(n: int) -> torch.Tensor:
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / n ** 0.5
+    return h / float(n ** 0.5)  # int ** float is typed Any
 
 
 def random_orthogonal(n: int, seed: int = SEED) -> torch.Tensor:
@@ -40,7 +40,8 @@ def random_orthogonal(n: int, seed: int = SEED) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     q, r = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
     # QR's factors are unique only up to signs; fixing diag(R) > 0 makes Q Haar-distributed.
-    return q * torch.sign(torch.diagonal(r))[None, :]
+    haar: torch.Tensor = q * torch.sign(torch.diagonal(r))[None, :]  # linalg.qr is typed Any
+    return haar
 
 
 def rotation_matrix(kind: str, head_dim: int, device: torch.device | str = "cpu"

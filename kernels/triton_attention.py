@@ -55,6 +55,7 @@ Design
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import triton
@@ -295,7 +296,8 @@ def _fp8_native(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _step_tensors(meta: AttentionMetadata, device: torch.device, block_q: int):
+def _step_tensors(meta: AttentionMetadata, device: torch.device, block_q: int
+                  ) -> dict[str, Any]:
     """Device copies of the per-step lists and the tile list, built once per step.
 
     The metadata of a step is not changed after it is built and every layer passes the same
@@ -475,7 +477,9 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return out
 
 
-def _anchor_args(anchors, index, kv_heads, head_dim, device, placeholder):
+def _anchor_args(anchors: Anchors | None, index: torch.Tensor | None, kv_heads: int,
+                 head_dim: int, device: torch.device, placeholder: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """(anchor K, anchor V, entry per sequence, anchor length) for the kernel; placeholders
     and length 0 when there are none."""
     if anchors is None or index is None:

@@ -31,7 +31,7 @@ class FragResult:
     def ratio(self) -> float:
         return self.reserved_slots / self.paged_slots
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, float]:
         return {**asdict(self), "reserved_waste": self.reserved_waste,
                 "paged_waste": self.paged_waste, "ratio": self.ratio}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 KV_DTYPES = ("float32", "float16", "bfloat16", "int8", "fp8")  # canonical names, aliases below
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
@@ -24,19 +25,27 @@ class KVSize:
         return self.bytes_per_token * tokens
 
 
-def load_config(source: str | dict) -> dict:
+def load_config(source: str | dict[str, Any]) -> dict[str, Any]:
     """A config dict, a JSON string, a config.json path or a checkpoint folder."""
     if isinstance(source, dict):
         return source
     text = source.strip()
     if text.startswith("{"):
-        return json.loads(text)
+        return _json_object(text, source)
     path = Path(source)
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
         raise ValueError(f"--config {source!r}: not a JSON object, config.json or checkpoint folder")
-    return json.loads(path.read_text())
+    return _json_object(path.read_text(), source)
+
+
+def _json_object(text: str, source: str) -> dict[str, Any]:
+    config = json.loads(text)
+    if isinstance(config, dict):
+        return config
+    # A ValueError like every other bad --config (the command reports those), not a TypeError.
+    raise ValueError(f"--config {source!r}: holds JSON, but not an object")
 
 
 @dataclass(frozen=True)
@@ -46,7 +55,7 @@ class ModelShape:
     head_dim: int
 
 
-def shape_from_config(config: dict) -> ModelShape:
+def shape_from_config(config: dict[str, Any]) -> ModelShape:
     """From a Hugging Face config.json dict (text_config for multimodal ones)."""
     cfg = config.get("text_config", config)
     heads = cfg["num_attention_heads"]
@@ -69,7 +78,7 @@ def bytes_per_token(shape: ModelShape, dtype: str, with_scales: bool = True) -> 
     return 2 * shape.layers * shape.kv_heads * per_head
 
 
-def kv_size(config: dict, dtype: str, with_scales: bool = True) -> KVSize:
+def kv_size(config: dict[str, Any], dtype: str, with_scales: bool = True) -> KVSize:
     check_dtype(dtype)
     shape = shape_from_config(config)
     per_token = bytes_per_token(shape, dtype, with_scales)
