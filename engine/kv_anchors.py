@@ -3,7 +3,7 @@
 Why: in chat models the first token (and the few after it) is an attention sink. Most query
 heads put a large share of their weight on it, so a quantization error in its K moves that
 share and an error in its V reaches the output almost undamped, where the errors of the many
-other tokens average out. Measured on the embedded model (README "KV dtypes"): keeping the
+other tokens average out. Measured on the embedded model (docs/kv-dtypes.md): keeping the
 first 4 positions exact cuts int8 KV's mean KL against float32 KV by about 40 %. This is the
 idea of IntactKV (Liu et al., 2024) and of KVQuant's attention-sink handling.
 

@@ -41,10 +41,11 @@ class LLM:
         so a bad one raises without leaving the others half-run."""
         prompt_list = _prompt_list(prompts)
         params_list = _broadcast(params, len(prompt_list))
-        for prompt, p in zip(prompt_list, params_list):
+        for prompt, p in zip(prompt_list, params_list, strict=True):
             p.validate()
             self.engine.check_prompt_fits(self.engine.tokenize(prompt))
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompt_list, params_list)]
+        ids = [self.engine.add_request(p, sp)
+               for p, sp in zip(prompt_list, params_list, strict=True)]
         pending = set(ids)
         while pending:
             for delta in self.engine.step().outputs:

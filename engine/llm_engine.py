@@ -299,7 +299,7 @@ class LLMEngine:
         now = time.monotonic()
         decode, stop_reason = self._decode, self._stop_reason
         deltas = []
-        for seq, token in zip(seqs, tokens):
+        for seq, token in zip(seqs, tokens, strict=True):
             seq.token_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now

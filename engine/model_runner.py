@@ -100,7 +100,7 @@ class ModelRunner:
             return
         n = table.num_tokens
         openings: list[tuple[tuple[int, ...] | None, int, int, int]] = []
-        for item, row in zip(batch, starts):
+        for item, row in zip(batch, starts, strict=False):  # starts has one more: the end
             seq = item.seq
             key = tuple(seq.token_ids[:n]) if len(seq.token_ids) >= n else None
             start = seq.num_computed_tokens

@@ -192,7 +192,8 @@ def dequantize_int4(codes: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tens
 def resolve_weights(fmt: str, device: str, state_dict: dict[str, torch.Tensor]) -> str:
     """'auto': int4 on the CPU when the checkpoint's matmul weights are 4-bit already (the
     embedded Q4_1 GGUF), where it adds no weight error (only bf16 rounding of scales and
-    activations) and reads 8x fewer bytes per token; dense otherwise (a float checkpoint stays as exact as it came, and CUDA runs dense)."""
+    activations) and reads 8x fewer bytes per token; dense otherwise (a float checkpoint stays
+    as exact as it came, and CUDA runs dense)."""
     check_weight_format(fmt, device)
     if fmt != "auto":
         return fmt

@@ -13,6 +13,7 @@ keys look exactly like no engine: a refused client gets nothing).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import queue
@@ -352,10 +353,9 @@ class EngineClient:
 
     def _post(self, op: _Op) -> None:
         self._outbox.put(op)
-        try:
+        # The pipe is full of wake-ups already, or closing.
+        with contextlib.suppress(BlockingIOError, OSError):
             self._wake_w.send(b"!")
-        except (BlockingIOError, OSError):
-            pass  # the pipe is full of wake-ups already, or closing
 
     # -- the client thread -----------------------------------------------------------------
     def _run(self) -> None:

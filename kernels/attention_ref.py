@@ -140,7 +140,7 @@ def decode_plans(meta: AttentionMetadata, block_size: int, device: torch.device 
     if plans is None:
         plans = [_plan(meta.block_tables, g, block_size, device) for g in meta.decode_groups]
         if meta.anchor_index is not None:
-            for plan, (_, _, seqs) in zip(plans, meta.decode_groups):
+            for plan, (_, _, seqs) in zip(plans, meta.decode_groups, strict=True):
                 plan.anchor_index = meta.anchor_index.index_select(
                     0, seqs.to(meta.anchor_index.device)).to(device)
         meta.__dict__[key] = plans

@@ -1,6 +1,6 @@
 """The exact K shift and q/k channel balance that let int8 keys keep the answers.
 
-Measured on the embedded model (tests' diagnosis, README "KV dtypes"): after the Hadamard
+Measured on the embedded model (tests' diagnosis, docs/kv-dtypes.md): after the Hadamard
 rotation, int8 error in K costs about five times what int8 error in V does, for two reasons a
 per-token scale cannot see:
 * keys carry a large constant offset per channel (after RoPE the slow channels hardly turn),

@@ -54,6 +54,7 @@ Design
 """
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -414,7 +415,7 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
     group = num_heads // kv_heads
     group_pad = triton.next_power_of_2(group)
-    max_q = max(b - a for a, b in zip(meta.query_start_loc, meta.query_start_loc[1:]))
+    max_q = max(b - a for a, b in itertools.pairwise(meta.query_start_loc))
     dot = query.dtype
     if dot == torch.bfloat16 and interpret:
         dot = torch.float32

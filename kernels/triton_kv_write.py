@@ -19,13 +19,14 @@ benchmarks/device/gpu_check.py):
   e4m3 conversion, so one exact encoder serves the interpreter and every GPU.
 * a float32/float16 row going into a bfloat16 pool is rounded to nearest even with integer
   arithmetic too (the interpreter truncates; on the GPU the result is the same as `.to`).
-So int8 and fp8 codes, bfloat16 rows and the scales are expected to equal the reference exactly; the tests
-require that.
+So int8 and fp8 codes, bfloat16 rows and the scales are expected to equal the reference
+exactly; the tests require that.
 
 With a rotation R (kernels/rotation.py) the program multiplies its [kv_heads, head_dim] K and V
 tiles by R in registers (a float32 `tl.dot`, the kv-head rows padded to 16) before the scale
 is taken: no extra pass over anything, and the pool holds x @ R. Its summation order is not
-torch's, so rotated codes may sit one step from the torch path's (tests/kernels/test_triton_rotation.py).
+torch's, so rotated codes may sit one step from the torch path's
+(tests/kernels/test_triton_rotation.py).
 With a K balance (kernels/k_balance.py) the K tile is shifted and scaled per channel first,
 (k - c) * g, two elementwise ops on the tile it already holds.
 """

@@ -36,7 +36,8 @@ def load_config(source: str | dict[str, Any]) -> dict[str, Any]:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise ValueError(f"--config {source!r}: not a JSON object, config.json or checkpoint folder")
+        raise ValueError(f"--config {source!r}: not a JSON object, config.json or checkpoint "
+                         "folder")
     return _json_object(path.read_text(), source)
 
 

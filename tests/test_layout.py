@@ -26,7 +26,8 @@ def core_layer() -> set[str]:
 
 
 def test_every_engine_core_module_sits_in_the_core_layer():
-    top = {f"kvscope.engine.{p.stem}" for p in (ROOT / "engine").glob("*.py") if p.stem != "__init__"}
+    top = {f"kvscope.engine.{p.stem}" for p in (ROOT / "engine").glob("*.py")
+           if p.stem != "__init__"}
     assert top == core_layer()
 
 
@@ -59,7 +60,8 @@ def test_the_launcher_reaches_the_gui_without_torch_or_the_engine():
     assert out.stdout.strip() == "[]"
 
 
-BARE = re.compile(r"^\s*(?:from|import)\s+(engine|kernels|ipc|app|kvmath|benchmarks)\b", re.MULTILINE)
+BARE = re.compile(r"^\s*(?:from|import)\s+(engine|kernels|ipc|app|kvmath|benchmarks)\b",
+                  re.MULTILINE)
 
 
 def test_nothing_imports_a_root_folder_by_its_bare_name():

@@ -19,7 +19,14 @@ from PySide6.QtWidgets import (
 
 from kvscope.app.controls.openai_load import OpenAILoadPanel
 
-WORDS = ["the", "cache", "keeps", "every", "layer", "key", "and", "value", "so", "each", "decode", "step", "only", "computes", "one", "new", "token", "while", "blocks", "of", "memory", "are", "handed", "out", "on", "demand", "and", "shared", "by", "prefix", "when", "two", "prompts", "begin", "alike", "scheduler", "batch", "prefill", "decode", "preempt", "recompute", "page", "table", "physical", "logical", "quantize", "scale", "budget", "throughput", "latency"]
+WORDS = [
+    "the", "cache", "keeps", "every", "layer", "key", "and", "value", "so", "each", "decode",
+    "step", "only", "computes", "one", "new", "token", "while", "blocks", "of", "memory",
+    "are", "handed", "out", "on", "demand", "and", "shared", "by", "prefix", "when", "two",
+    "prompts", "begin", "alike", "scheduler", "batch", "prefill", "decode", "preempt",
+    "recompute", "page", "table", "physical", "logical", "quantize", "scale", "budget",
+    "throughput", "latency",
+]
 MAX_BACKLOG = 256
 
 

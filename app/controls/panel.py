@@ -1,6 +1,6 @@
-"""Engine knobs: block size, KV dtype, its rotation and exact first tokens, KV budget, max sequences, max batched
-tokens, prefix caching. Apply emits the changed values; the panel then shows what the engine
-applied (or the refusal and its reason), busy while the pool is rebuilt."""
+"""Engine knobs: block size, KV dtype, its rotation and exact first tokens, KV budget, max
+sequences, max batched tokens, prefix caching. Apply emits the changed values; the panel then
+shows what the engine applied (or the refusal and its reason), busy while the pool is rebuilt."""
 from __future__ import annotations
 
 from PySide6.QtCore import Signal

@@ -47,7 +47,7 @@ class MemoryBar(QWidget):
                 for a, b in bar_edges(self.segments, self.total, inner.width())]
 
     def segment_at(self, x: int) -> Segment | None:
-        for seg, (a, b) in zip(self.segments, self.edges()):
+        for seg, (a, b) in zip(self.segments, self.edges(), strict=True):
             if a <= x < b:
                 return seg
         return None
@@ -63,7 +63,7 @@ class MemoryBar(QWidget):
         p = QPainter(self)
         inner = self._inner()
         p.fillRect(self.rect(), BACKGROUND)
-        for seg, (a, b) in zip(self.segments, self.edges()):
+        for seg, (a, b) in zip(self.segments, self.edges(), strict=True):
             if b > a:
                 p.fillRect(QRect(a, inner.top(), b - a, inner.height()), QColor(seg.colour))
         if not self.segments:

@@ -59,7 +59,7 @@ class DevicePlots(QWidget):
             else:
                 plot.setXLink(first)
             plot.getViewBox().sigRangeChangedManually.connect(self._user_moved)
-            for name, label, colour in curves:
+            for name, _label, colour in curves:
                 curve = plot.plot([], [], pen=pg.mkPen(colour, width=1))  # see batch_plots
                 curve.setClipToView(True)
                 curve.setDownsampling(auto=True, method="peak")

@@ -75,7 +75,8 @@ def processes(f, most: int = 12) -> str:
 def values(f) -> dict[str, str | None]:
     """Key -> text; None: leave the value (and its label) out."""
     out = {
-        "memory": f"{used_of(f.memory_used, f.memory_total)} used · {human_bytes(f.memory_free)} free",
+        "memory": (f"{used_of(f.memory_used, f.memory_total)} used · "
+                   f"{human_bytes(f.memory_free)} free"),
         "process": f"{human_bytes(f.process_bytes)} ({f.process_source})",
         "power": _pair(f.power_w, f.power_limit_w, "W"),
         "gpu": percent(f.gpu_utilization),

@@ -1,1 +1,1 @@
-"""The window over a vLLM server (`kvscope --attach-vllm URL`): its /metrics, KV events and OpenAI chat."""
+"""The window over a vLLM server (`kvscope --attach-vllm URL`): /metrics, KV events, chat."""

@@ -26,8 +26,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     try:
         if args.trace:
-            from kvscope.ipc.trace_format import TraceError
             from kvscope.engine.traces.workload import request_lengths
+            from kvscope.ipc.trace_format import TraceError
 
             try:
                 lengths = request_lengths(args.trace)

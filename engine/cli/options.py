@@ -17,7 +17,8 @@ from kvscope.engine.config import (
 def add_engine_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine options")
     g.add_argument("--model", default="default",
-                   help='"default" (embedded SmolLM2-135M-Instruct), a checkpoint folder or a .gguf')
+                   help='"default" (embedded SmolLM2-135M-Instruct), a checkpoint folder '
+                        'or a .gguf')
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--dtype", default="auto", choices=MODEL_DTYPES)
     g.add_argument("--weights", default="auto", choices=WEIGHT_FORMATS,

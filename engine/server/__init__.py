@@ -1,1 +1,1 @@
-"""`kvscope serve`'s machinery: the engine and I/O threads, state snapshots, metrics, device monitor."""
+"""`kvscope serve`'s machinery: engine and I/O threads, snapshots, metrics, device monitor."""

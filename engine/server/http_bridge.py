@@ -15,6 +15,7 @@ whatever piled up at once (`EngineStream.batches`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 from collections.abc import AsyncIterator
@@ -57,10 +58,9 @@ class LoopPost:
             self.pending.append((inbox, message))
             if len(self.pending) > 1:
                 return  # a flush is already on its way
-        try:
+        # RuntimeError: the loop is closed, the HTTP server stopped first.
+        with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self._flush)
-        except RuntimeError:  # the loop is closed: the HTTP server stopped first
-            pass
 
     def _flush(self) -> None:
         with self.lock:

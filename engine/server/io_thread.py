@@ -1,4 +1,5 @@
-"""The I/O thread of `kvscope serve`: it owns every socket and reads only counters of the engine (for the heartbeat).
+"""The I/O thread of `kvscope serve`: it owns every socket and reads only the engine's
+counters (for the heartbeat).
 
 It decodes and validates commands (garbage is answered or dropped here), queues good ones for
 the engine thread (engine_server.py), forwards what that thread produced, tracks

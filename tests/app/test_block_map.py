@@ -120,7 +120,7 @@ def test_32k_blocks_redraw_fast(qtbot):
     assert rows * cols >= n > (rows - 1) * cols  # one cell per block, no empty row
     assert bm.cell_pixels() >= 1  # every block visible without zooming
     t = time.perf_counter()
-    for i in range(10):
+    for _ in range(10):
         bm.show_blocks(frame)
         bm.refresh()
     per_frame = (time.perf_counter() - t) / 10

@@ -34,7 +34,8 @@ def test_kv_math_uses_fragsim_without_torch():
     import subprocess
     import sys
 
-    code = "import sys, app.calculator.kv_math; print('torch' in sys.modules, 'PySide6' in sys.modules)"
+    code = ("import sys, kvscope.app.calculator.kv_math; "
+            "print('torch' in sys.modules, 'PySide6' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.split() == ["False", "False"]

@@ -31,7 +31,7 @@ def test_concurrency_is_the_engines_batch_and_hfs(tiny, capsys):
     assert c["dtype"] == "bfloat16" and c["weights"] == "dense"
     assert r["hf_tokens_per_s"] > 0 and r["speedup"] > 0
     p = r["profile"]
-    assert 0 < p["host_overhead_cpu_ms_per_step"] and 0 < p["host_overhead_ms_per_step"]
+    assert p["host_overhead_cpu_ms_per_step"] > 0 and p["host_overhead_ms_per_step"] > 0
     # The host overhead is the step minus the model: the parts it is made of add up to it.
     host = sum(v for k, v in p["seconds"].items() if k != "model_forward")
     assert host == pytest.approx(p["host_overhead_ms_per_step"] * p["num_steps"] / 1e3,

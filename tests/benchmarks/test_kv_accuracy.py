@@ -9,7 +9,7 @@ def test_the_prompt_file_holds_forty_distinct_prompts(tmp_path):
     assert len(prompts) == 40 and len(set(prompts)) == 40
     assert all(p and not p.startswith("#") for p in prompts)
     # The older benchmarks' eight are the file's first eight, unchanged.
-    assert kv_accuracy.PROMPTS == prompts[:8]
+    assert prompts[:8] == kv_accuracy.PROMPTS
     assert kv_accuracy.PROMPTS[0] == "What is the capital of France?"
     f = tmp_path / "p.txt"
     f.write_text("# a comment\n\nfirst\n  second  \n#third\n")

@@ -65,7 +65,7 @@ def test_greedy_equals_hf_generate(loaded, prompts, hf_outputs, block_size):
     llm = LLM(EngineConfig(block_size=block_size, max_num_batched_tokens=128, weights="dense"),
               loaded=loaded)
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
-    for out, ref in zip(outs, hf_outputs):
+    for out, ref in zip(outs, hf_outputs, strict=True):
         # HF pads a finished sequence with pad tokens; compare the real reply.
         assert out.token_ids == ref[:len(out.token_ids)]
         assert strip_eos(out.token_ids, loaded.eos_token_ids) == \
@@ -83,7 +83,7 @@ def test_greedy_equals_hf_generate_with_preemption(loaded, prompts, hf_outputs):
               loaded=loaded)
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
     assert llm.stats().num_preemptions > 0
-    for out, ref in zip(outs, hf_outputs):
+    for out, ref in zip(outs, hf_outputs, strict=True):
         assert out.token_ids == ref[:len(out.token_ids)]
     assert llm.stats().num_free_blocks == 12
 

@@ -41,7 +41,7 @@ def test_greedy_matches_hf_for_a_mixed_batch(tiny, block_size):
                            max_num_batched_tokens=48))
     prompts = random_prompts([5, 37, 90, 1, 16], seed=block_size)
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=True):
         assert out.token_ids == hf_greedy(hf, prompt, 24)
         assert out.finish_reason == "length"
         assert out.prompt_token_ids == prompt
@@ -56,7 +56,7 @@ def test_preemption_under_a_tiny_pool_keeps_outputs_exact(tiny):
     outs = llm.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True))
     assert llm.stats().num_preemptions > 0
     assert any(o.num_preemptions > 0 for o in outs)
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=True):
         assert out.token_ids == hf_greedy(hf, prompt, 30)
 
 

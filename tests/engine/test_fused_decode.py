@@ -70,7 +70,7 @@ def test_a_fused_step_computes_what_the_torch_step_does(tiny, kv_dtype, weights,
     # this one keeps it in float32, so past the first layer their K/V part by more than
     # rounding order; the first layer's must still agree.
     layers = 1 if dtype == "bfloat16" else len(pool.caches)
-    for (k, v), kp, vp in list(zip(pool.caches, k_plain, v_plain))[:layers]:
+    for (k, v), kp, vp in list(zip(pool.caches, k_plain, v_plain, strict=True))[:layers]:
         torch.testing.assert_close(k.view(-1, *k.shape[2:])[slots].float(), kp.float(),
                                    rtol=tol, atol=tol)
         torch.testing.assert_close(v.view(-1, *v.shape[2:])[slots].float(), vp.float(),

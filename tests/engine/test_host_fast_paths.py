@@ -43,7 +43,7 @@ def test_sample_rows_are_argmax_or_the_seeded_per_row_draw():
         seq.generator = make_generator(100 + i)
         seqs.append(seq)
     tokens = sample(logits, seqs)
-    for i, (seq, t) in enumerate(zip(seqs, temps)):
+    for i, (seq, t) in enumerate(zip(seqs, temps, strict=True)):
         if t == 0:
             assert tokens[i] == int(logits[i].argmax())
         else:
@@ -112,7 +112,7 @@ def test_packed_inputs_equal_per_field_tensors_and_follow_table_changes(tiny):
         ids, pos, meta, last_rows = original(batch)
         want = reference_inputs(batch, 4)
         got = [ids, pos, meta.slot_mapping, meta.block_tables]
-        for g, w in zip(got, want):
+        for g, w in zip(got, want, strict=True):
             assert g.dtype == torch.long and torch.equal(g, w)
         ends = [i.seq.num_computed_tokens + i.num_tokens for i in batch]
         assert meta.context_lens == ends
@@ -160,6 +160,6 @@ def test_lazy_decode_groups_are_the_reference_grouping():
     want = group_decode_rows(starts, ctx)
     lazy = DecodeGroups(starts, ctx)
     assert len(lazy) == len(want) > 1
-    for got_group, want_group in zip(lazy, want):
-        assert all(torch.equal(a, b) for a, b in zip(got_group, want_group))
-    assert all(torch.equal(a, b) for a, b in zip(lazy[-1], want[-1]))
+    for got_group, want_group in zip(lazy, want, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(got_group, want_group, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(lazy[-1], want[-1], strict=True))

@@ -129,7 +129,7 @@ def test_calibration_keys_are_the_keys_the_model_writes(path):
     token_log_probs(engine, ids)
     qk = queries_and_keys(engine.model, ids)
     assert len(qk) == engine.model.shape.num_layers
-    for (_, k), (k_cache, _) in zip(qk, engine.pool.caches):
+    for (_, k), (k_cache, _) in zip(qk, engine.pool.caches, strict=True):
         rows = k_cache.view(-1, *k_cache.shape[2:])[:len(ids)]  # blocks 0.. in order
         torch.testing.assert_close(rows, k, atol=1e-5, rtol=1e-5)
 
@@ -150,7 +150,7 @@ def test_calibration_is_computed_once_and_survives_reconfigure(path, monkeypatch
     again = llm.engine.pool.k_balance
     assert calls == [1] and len(again) == len(first)
     assert all(torch.equal(a.shift, b.shift) and torch.equal(a.gain, b.gain)
-               for a, b in zip(again, first))
+               for a, b in zip(again, first, strict=True))
     assert llm.stats().kv_rotation == "calibrated"
     llm.engine.reconfigure(kv_rotation="hadamard")
     assert llm.engine.pool.k_balance is None and llm.engine.pool.rotation is not None
@@ -176,7 +176,7 @@ def test_calibrated_int8_dequantizes_near_the_keys(path):
     want = queries_and_keys(engine.model, ids)[:1]
     r = engine.pool.rotation
     for (_, k), (kc, _), (ks, _), kb in zip(want, engine.pool.caches, engine.pool.scales,
-                                            engine.pool.k_balance):
+                                            engine.pool.k_balance, strict=True):
         stored = dequantize(kc.view(-1, *kc.shape[2:])[:len(ids)],
                             ks.view(-1, ks.shape[2])[:len(ids)])
         back = (stored @ r.T) / kb.gain + kb.shift

@@ -181,7 +181,7 @@ def test_rotation_changes_live_without_losing_a_request(path):
                               12: {"kv_rotation": "hadamard", "kv_dtype": "int8"}})
     assert all(len(o.token_ids) == 20 and o.finish_reason == "length" for o in outs)
     # float32 KV through steps 3..11: rotated or not, the same greedy tokens up to there.
-    assert all(o.token_ids[:8] == b.token_ids[:8] for o, b in zip(outs, base))
+    assert all(o.token_ids[:8] == b.token_ids[:8] for o, b in zip(outs, base, strict=True))
     stats = llm.stats()
     assert (stats.kv_dtype, stats.kv_rotation) == ("int8", "hadamard")
     assert stats.num_free_blocks == stats.num_kv_blocks  # nothing leaked

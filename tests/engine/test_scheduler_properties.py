@@ -21,15 +21,14 @@ from hypothesis.stateful import (
     rule,
 )
 
-from tests.engine.test_block_manager import ShadowKV
-from tests.engine.test_block_manager import check_invariants as check_pool
-
-prefix_keys = ShadowKV.prefix_keys
-
 from kvscope.engine.block_manager import BlockManager
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.scheduler import Scheduler
 from kvscope.engine.sequence import Sequence, SequenceStatus
+from tests.engine.test_block_manager import ShadowKV
+from tests.engine.test_block_manager import check_invariants as check_pool
+
+prefix_keys = ShadowKV.prefix_keys
 
 MAX_DRAIN_STEPS = 10_000
 _ids = itertools.count()

@@ -148,7 +148,8 @@ def test_engine_in_a_quantized_format_tracks_its_dense_self(tiny, weights):
     # Decoding (batched, paged) picks what the same model scoring the sequence in one
     # prefill ranks first.
     prompts = [ids[:10], ids[:17]]
-    for prompt, out in zip(prompts, llm.generate(prompts, SamplingParams(max_tokens=6))):
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6))
+    for prompt, out in zip(prompts, outs, strict=True):
         scored = token_log_probs(llm.engine, prompt + list(out.token_ids))
         assert scored[len(prompt) - 1:].argmax(-1).tolist() == list(out.token_ids)
 

@@ -24,6 +24,7 @@ Tolerances (kernel vs reference, same cache contents):
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import random
@@ -119,7 +120,7 @@ def test_kv_write_matches_reference_exactly(dtype, block_size):
     write_kv_ref(key_v, value_v, want[0], want[1], slots, want[2], want[3])
 
     msg = f"{dtype} from {src_dtype}, block size {block_size} {where(seed)}"
-    for name, a, b in zip(("k_cache", "v_cache", "k_scale", "v_scale"), got, want):
+    for name, a, b in zip(("k_cache", "v_cache", "k_scale", "v_scale"), got, want, strict=True):
         if a is None:
             continue
         same = bits(a) == bits(b)
@@ -179,7 +180,7 @@ def build(kv_dtype, q_dtype, block_size, heads, kv_heads, head_dim, seed, max_ct
         bt[i, :len(t)] = torch.tensor(t)
 
     pool = poisoned_pool(kv_dtype, num_blocks, block_size, kv_heads, head_dim)
-    for table, ctx in zip(tables, ctx_lens):
+    for table, ctx in zip(tables, ctx_lens, strict=True):
         slots = torch.tensor([table[p // block_size] * block_size + p % block_size
                               for p in range(ctx)])
         # Scores stay O(1): with huge keys a reduced-precision reference (which rounds the
@@ -211,7 +212,7 @@ def check_attention(kv_dtype, q_dtype, block_size, heads, kv_heads, head_dim, se
     want = paged_attention_ref(query, *sanitized(pool)[:2], meta, scale, *sanitized(pool)[2:])
     msg = (f"{kv_dtype} pool, {q_dtype} query, block size {block_size}, heads {heads}/"
            f"{kv_heads}, head_dim {head_dim}, splits {num_splits}, q_lens "
-           f"{[b - a for a, b in zip(meta.query_start_loc, meta.query_start_loc[1:])]}, "
+           f"{[b - a for a, b in itertools.pairwise(meta.query_start_loc)]}, "
            f"ctx {meta.context_lens} {where(seed)}")
     assert not bool(torch.isnan(got).any()), f"unwritten or NaN output: {msg}"
     tol = TOL[q_dtype]
@@ -269,7 +270,7 @@ def test_decode_only_batch_with_splits():
         n = -(-c // 16)
         tables.append(list(range(nxt, nxt + n)))
         nxt += n
-    for t, c in zip(tables, ctx):
+    for t, c in zip(tables, ctx, strict=True):
         slots = torch.tensor([t[p // 16] * 16 + p % 16 for p in range(c)])
         write_kv_ref(torch.randn(c, 2, 16, generator=g), torch.randn(c, 2, 16, generator=g),
                      *pool[:2], slots)

@@ -55,7 +55,9 @@ def test_rotated_write_matches_the_torch_path(monkeypatch, dtype, head_dim):
 
     msg = f"{dtype}, head_dim {head_dim} {where(seed)}"
     for i, name in enumerate(("k", "v")):
-        rows = lambda t: t.view(-1, kv_heads, head_dim)
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return t.view(-1, kv_heads, head_dim)
+
         a, b = rows(got[i])[slots], rows(want[i])[slots]
         assert not bool(poisoned(a).any()), f"{name}: a written slot is poisoned: {msg}"
         unwritten = torch.ones(num_blocks * block_size, dtype=torch.bool)

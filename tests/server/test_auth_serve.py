@@ -1,6 +1,7 @@
 """A real `kvscope serve --auth curve`: who gets in, what garbage does, where traces may go."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -152,10 +153,8 @@ def replay_answer(endpoint: str, client_keys) -> list[bytes] | None:
     sock.setsockopt(zmq.LINGER, 0)
     secure_client_socket(sock, client_keys)
     sock.connect(endpoint)
-    try:
+    with contextlib.suppress(zmq.Again):  # the handshake was refused already: nowhere to send
         sock.send_multipart([b"", (0).to_bytes(8, "big")], zmq.NOBLOCK)
-    except zmq.Again:
-        pass  # the handshake was refused already: nowhere to send
     try:
         return sock.recv_multipart() if sock.poll(5000) else None
     finally:

@@ -136,7 +136,7 @@ def test_completions_text_and_token_prompts_equal_llm_generate(oai, reference):
     ids = np.random.default_rng(5).integers(1, 250, 11).tolist()
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     want = reference.generate(["raw text, no template", ids], params)
-    for prompt, w in zip(["raw text, no template", ids], want):
+    for prompt, w in zip(["raw text, no template", ids], want, strict=True):
         got = oai.completions.create(prompt=prompt,
                                      **greedy(max_tokens=12, extra_body={"ignore_eos": True}))
         assert got.choices[0].text == w.text and got.object == "text_completion"

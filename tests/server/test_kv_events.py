@@ -332,7 +332,8 @@ def test_a_new_block_manager_is_all_blocks_cleared(publisher):
     batch = feed.flush()
     removed, gone, cleared = batch.events
     assert removed.block_hashes == [3]
-    assert gone.block_hashes == [h & HASH_MASK for h in old.hash_to_block] and len(gone.block_hashes) == 2
+    assert gone.block_hashes == [h & HASH_MASK for h in old.hash_to_block]
+    assert len(gone.block_hashes) == 2
     assert isinstance(cleared, v.AllBlocksCleared)
     assert engine.block_manager.cache_events == []  # recording on the new pool
 
