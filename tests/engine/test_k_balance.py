@@ -176,7 +176,7 @@ def test_calibrated_int8_dequantizes_near_the_keys(path):
     want = queries_and_keys(engine.model, ids)[:1]
     r = engine.pool.rotation
     for (_, k), (kc, _), (ks, _), kb in zip(want, engine.pool.caches, engine.pool.scales,
-                                            engine.pool.k_balance, strict=True):
+                                            engine.pool.k_balance, strict=False):  # layer 0
         stored = dequantize(kc.view(-1, *kc.shape[2:])[:len(ids)],
                             ks.view(-1, ks.shape[2])[:len(ids)])
         back = (stored @ r.T) / kb.gain + kb.shift
