@@ -21,7 +21,8 @@ if TYPE_CHECKING:  # annotations only: at run time numpy is imported inside Bloc
 
 # 2: the stats frame's engine/config/server parts and the hello/reconfigure configs became
 # typed structs (EngineStats, EngineSettings, ServerCounters) instead of free-form maps.
-PROTOCOL_VERSION = 2
+# 3: the blocks frame carries hash_tags (a content tag per prefix-cached block).
+PROTOCOL_VERSION = 3
 # Bigger command frames are refused by libzmq itself (ZMQ_MAXMSGSIZE) and the peer dropped.
 DEFAULT_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 
@@ -306,7 +307,8 @@ BLOCK_HAS_HASH = 0b100
 # them (BlocksFrame.dtypes); only these numpy dtype strings are accepted.
 ArrayDtype = Literal["|u1", "|i1", "<u2", "<i2", "<u4", "<i4"]
 WIDE_DTYPES: dict[str, ArrayDtype] = {"owner": "<i4", "filled": "<u2", "ref_count": "<u2",
-                                      "flags": "|u1", "table_offsets": "<i4", "tables": "<i4"}
+                                      "flags": "|u1", "table_offsets": "<i4", "tables": "<i4",
+                                      "hash_tags": "<u4"}
 
 
 class BlocksFrame(msgspec.Struct, kw_only=True):
@@ -336,13 +338,33 @@ class BlocksFrame(msgspec.Struct, kw_only=True):
     reserved_request_blocks: int  # blocks if each reserved prompt + max_tokens
     # Where each live request came from when not over ZeroMQ ("http"), by request id.
     request_sources: dict[str, str] = {}
+    # The low 32 bits of the content hash of each block whose flags carry BLOCK_HAS_HASH, in
+    # block-id order (sparse: nothing for unhashed blocks). Equal tag on the same block id in
+    # two frames means the same cached content (up to a 1 in 2**32 collision), which is how a
+    # viewer tells "still cached" from "evicted and refilled" between frames.
+    hash_tags: bytes = b""
     # Dtype of each array; the engine narrows them, the default is the widest it sends.
     dtypes: dict[str, ArrayDtype] = msgspec.field(default_factory=lambda: dict(WIDE_DTYPES))
 
     def array(self, name: str) -> npt.NDArray[Any]:
         import numpy as np
 
-        return np.frombuffer(getattr(self, name), dtype=self.dtypes[name])
+        return np.frombuffer(getattr(self, name), dtype=self.dtypes.get(name, WIDE_DTYPES[name]))
+
+    def block_tags(self) -> npt.NDArray[Any]:
+        """One content tag per block (int64), -1 where the block has no hash (or the sender
+        sent no tags)."""
+        import numpy as np
+
+        tags = np.full(self.num_blocks, -1, np.int64)
+        hashed = np.flatnonzero(self.array("flags") & BLOCK_HAS_HASH)
+        try:
+            sent = self.array("hash_tags")
+        except ValueError:  # not a whole number of tags: a damaged frame tells nothing
+            return tags
+        if len(sent) == len(hashed):
+            tags[hashed] = sent
+        return tags
 
     def block_table(self, request_id: str) -> list[int]:
         i = self.request_ids.index(request_id)

@@ -63,9 +63,11 @@ class SlotCache:
 
 
 def block_indices(frame, selected: str | None = None,
-                  cache: SlotCache | None = None) -> np.ndarray:
+                  cache: SlotCache | None = None,
+                  highlight: np.ndarray | None = None) -> np.ndarray:
     """One LUT index per block (uint16), see app.colors. Whole-array numpy only: at 32k
-    blocks this runs every frame."""
+    blocks this runs every frame. highlight: block ids kept bright (the rest dimmed) when
+    no live request is selected: a finished request's cached blocks, a selected block."""
     state = frame.array("flags") & BLOCK_STATE_MASK
     owner = frame.array("owner")
     num_requests = len(frame.request_ids)
@@ -82,6 +84,10 @@ def block_indices(frame, selected: str | None = None,
         i = frame.request_ids.index(selected)
         offsets = frame.array("table_offsets")
         mine[frame.array("tables")[offsets[i]:offsets[i + 1]]] = True
+        idx[~mine] += colors.DIM_OFFSET
+    elif highlight is not None:
+        mine = np.zeros(frame.num_blocks, bool)
+        mine[highlight] = True
         idx[~mine] += colors.DIM_OFFSET
     return idx.astype(np.uint16)
 

@@ -8,6 +8,10 @@ Each cell is an index into a colour lookup table (app.colors): owner colour (sta
 request id), brightness by fill level, distinct free / cached / shared colours, and the
 blocks of a selected request kept bright while the rest is dimmed. Hover a cell for its
 details; click it to select its request and see the block table (logical -> physical).
+
+A finished request (a chat reply clicked after it ended) shows what the prefix cache still
+holds of it, and a clicked cached block shows what it holds; both rest on the window's memory
+of the tables it saw (app.blocks.history says what is exact and what is memory).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QHeaderView,
     QLabel,
+    QScrollArea,
     QSizePolicy,
     QTableView,
     QVBoxLayout,
@@ -36,22 +41,38 @@ from kvscope.app.blocks.block_grid import (
     request_table,
     source_note,
 )
-from kvscope.app.blocks.block_table import BlockTableModel
+from kvscope.app.blocks.block_table import HOLDER_HEADERS, LIVE, BlockTableModel
+from kvscope.app.blocks.history import (
+    CACHED,
+    EVICTED,
+    FREED,
+    REUSED,
+    FinishedView,
+    RequestHistory,
+    live_holders,
+)
 from kvscope.app.blocks.pixel_image import PixelImage, rgb32_table
 from kvscope.app.fmt import human_bytes
+from kvscope.ipc.messages import BLOCK_CACHED, BLOCK_STATE_MASK, BLOCK_USED
 
 GRID_LINES_MIN_PX = 6  # cell borders only where a cell is this big on screen
 SIDE_WIDTH = 220
+# Lines the totals label holds: its longest text (a 32k-block pool, KV memory with the pool's
+# byte size, requests and tokens) wraps to 11 at SIDE_WIDTH.
+TOTALS_LINES = 11
 
 
 class BlockMap(QWidget):
     requestSelected = Signal(str)  # "" when the selection was cleared
     blockHovered = Signal(int)  # -1 when the pointer left the grid
+    blockSelected = Signal(int)  # a cached block was selected; -1 when that was cleared
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.frame = None
         self.selected: str | None = None
+        self.selected_block = -1  # a cached block shown on its own, -1: none
+        self.history = RequestHistory()
         self.hovered = -1
         self.bytes_per_token: int | None = None
         self.shape = (1, 1)
@@ -100,14 +121,20 @@ class BlockMap(QWidget):
         self.table.setModel(self.table_model)
         self.table.setObjectName("blockTable")
         self.table.verticalHeader().setVisible(False)
-        self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
+        # Narrow columns sized to their text, the last one takes what is left: four stretched
+        # columns in the side panel's width cut both headers and states.
+        header = self.table.horizontalHeader()
+        header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+        header.setStretchLastSection(True)
+        self.table.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
         self.table.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Expanding)
 
         # Text that changes every refresh must not change its label's size: a label whose
         # size can change re-lays out the whole window on every setText (1.5-4 ms each);
         # a fixed size stops that at the label.
-        for label, lines in ((self.totals, 9), (self.hover_label, 3), (self.selection_label, 5)):
+        for label, lines in ((self.totals, TOTALS_LINES), (self.hover_label, 3),
+                             (self.selection_label, 5)):
             label.setFixedSize(SIDE_WIDTH - 12, lines * label.fontMetrics().lineSpacing() + 4)
             label.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
         side = QVBoxLayout()
@@ -119,17 +146,29 @@ class BlockMap(QWidget):
         side_w = QWidget()
         side_w.setLayout(side)
         side_w.setFixedWidth(SIDE_WIDTH)
+        # On a short screen the fixed-size labels and the table do not fit the map's height:
+        # the panel scrolls vertically instead of squeezing the table to nothing.
+        side_area = QScrollArea()
+        side_area.setWidget(side_w)
+        side_area.setWidgetResizable(True)
+        side_area.setFrameShape(QScrollArea.Shape.NoFrame)
+        side_area.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        side_area.setFixedWidth(SIDE_WIDTH + side_area.verticalScrollBar().sizeHint().width())
+        side_w.setMinimumHeight(side.sizeHint().height())
+        self.side_area = side_area
         left = QVBoxLayout()
         left.addWidget(self.title)
         left.addWidget(self.plot, 1)
         row = QHBoxLayout(self)
         row.setContentsMargins(4, 4, 4, 4)
         row.addLayout(left, 1)
-        row.addWidget(side_w)
+        row.addWidget(side_area)
 
     # -- input ------------------------------------------------------------------------------
     def show_blocks(self, frame) -> None:
-        """Keep the newest frame; the image is redrawn on the next refresh()."""
+        """Keep the newest frame; the image is redrawn on the next refresh(). Every frame is
+        seen by the history, which remembers the tables of requests that leave."""
+        self.history.observe(frame)
         self.frame = frame
         self._dirty = True
 
@@ -139,13 +178,30 @@ class BlockMap(QWidget):
     def select_request(self, request_id: str | None) -> None:
         """Highlight a request's blocks and show its block table (None: clear)."""
         request_id = request_id or None
-        if request_id == self.selected:
+        if request_id == self.selected and self.selected_block < 0:
             return
-        self.selected = request_id
+        had_block = self.selected_block >= 0
+        self.selected, self.selected_block = request_id, -1
+        self._selection_changed()
+        if had_block:
+            self.blockSelected.emit(-1)
+        self.requestSelected.emit(request_id or "")
+
+    def select_block(self, block: int) -> None:
+        """Show one cached block on its own: what it holds and who held it."""
+        if block == self.selected_block:
+            return
+        had_request = self.selected is not None
+        self.selected, self.selected_block = None, block
+        self._selection_changed()
+        if had_request:
+            self.requestSelected.emit("")
+        self.blockSelected.emit(block)
+
+    def _selection_changed(self) -> None:
         self._dirty = True
         self.refresh()
         self.refresh_labels()
-        self.requestSelected.emit(request_id or "")
 
     # -- drawing ----------------------------------------------------------------------------
     def view_pixels(self) -> tuple[float, float]:
@@ -164,12 +220,23 @@ class BlockMap(QWidget):
         self._dirty = False
         frame = self.frame
         shape = grid_shape(frame.num_blocks, *self.view_pixels())
-        img = grid_image(block_indices(frame, self.selected, self._slots), shape)
+        img = grid_image(block_indices(frame, self.selected, self._slots,
+                                       self._highlight(frame)), shape)
         self.image.setImage(self._pixels[img], autoLevels=False)  # the colour table, applied
         if shape != self.shape:
             self.shape = shape
             self._draw_grid(shape)
             self.fit()
+
+    def _highlight(self, frame) -> np.ndarray | None:
+        """Blocks kept bright when the selection is not a live request."""
+        if self.selected_block >= 0:
+            return np.array([self.selected_block]) \
+                if self.selected_block < frame.num_blocks else np.zeros(0, np.int64)
+        if self.selected is None or self.selected in frame.request_ids:
+            return None
+        view = self.history.finished_view(frame, self.selected)
+        return view.resident() if view is not None else np.zeros(0, np.int64)
 
     def fit(self) -> None:
         """The whole pool in view (after a zoom or pan)."""
@@ -206,18 +273,32 @@ class BlockMap(QWidget):
             return
         self.totals.setText(self._totals_html(frame))
         if 0 <= self.hovered < frame.num_blocks:
-            self.hover_label.setText(describe_block(frame, self.hovered))
+            self.hover_label.setText(self.describe(self.hovered))
         self._show_table(frame)
+
+    def describe(self, block: int) -> str:
+        """Hover text: describe_block plus who shares it (live) or held it (remembered)."""
+        frame = self.frame
+        text = describe_block(frame, block)
+        state = int(frame.array("flags")[block]) & BLOCK_STATE_MASK
+        if state == BLOCK_USED and frame.array("ref_count")[block] > 1:
+            text += " · held by " + ", ".join(r for r, _ in live_holders(frame, block)[:4])
+        elif state == BLOCK_CACHED and (held := self.history.holders(frame, block)):
+            text += " · last held by " + ", ".join(h.request_id for h in held[:3])
+        return text
 
     def _show_table(self, frame) -> None:
         rid = self.selected
+        self.selection_label.setToolTip("")
+        if self.selected_block >= 0:
+            self._show_block(frame, self.selected_block)
+            return
         if rid is None:
             self.selection_label.setText("No request selected — click a block or a chat reply")
             self.table_model.clear()
             return
         if rid not in frame.request_ids:
-            self.selection_label.setText(f"<b>{rid}</b>: not in the engine (finished)")
-            self.table_model.clear()
+            self._show_finished(frame, rid)
             return
         i = frame.request_ids.index(rid)
         table = request_table(frame, rid)
@@ -230,7 +311,62 @@ class BlockMap(QWidget):
             f"{frame.num_tokens[i]} tokens, {frame.num_computed_tokens[i]} computed, "
             f"{len(table)} blocks — contiguous logically, scattered physically")
         physical = np.asarray(table, np.int64)
-        self.table_model.show(physical, filled[physical], frame.block_size)
+        self.table_model.show(physical, filled[physical], frame.block_size,
+                              np.full(len(physical), LIVE), frame.array("ref_count")[physical])
+
+    def _show_finished(self, frame, rid: str) -> None:
+        """A request no longer in the engine: its remembered table against today's pool."""
+        view = self.history.finished_view(frame, rid)
+        if view is None:
+            self.selection_label.setText(
+                f"<b>{rid}</b>: not in the engine, and no table of it was seen (it finished "
+                "before this window saw it, or the engine restarted)")
+            self.table_model.clear()
+            return
+        self.selection_label.setText(self._finished_html(rid, view))
+        r = view.remembered
+        self.selection_label.setToolTip(
+            f"{rid}'s block table as this window last saw it (step {r.step}, {r.num_tokens} "
+            "tokens), checked against the current pool by content tag"
+            + ("" if view.exact else "; this engine sends no content tags, so an evicted "
+               "block that was cached again looks still cached"))
+        owner = frame.array("owner")[r.physical].astype(np.int64)
+        self.table_model.show(r.physical, r.filled, frame.block_size, view.states,
+                              owner=np.where(view.states == REUSED, owner, -1),
+                              owner_names=frame.request_ids)
+
+    @staticmethod
+    def _finished_html(rid: str, view: FinishedView) -> str:
+        r = view.remembered
+        rgb = colors.hex_color(colors.request_rgb(rid))
+        kept = view.count(CACHED) + view.count(REUSED)
+        reused = f" ({view.count(REUSED)} reused)" if view.count(REUSED) else ""
+        how = "" if view.exact else " (approximate)"
+        return (f"<span style='color:{rgb}'>■</span> <b>{rid}</b> finished: "
+                f"{kept} of {len(r.physical)} blocks still cached{reused}, "
+                f"{view.count(EVICTED)} evicted, {view.count(FREED)} freed{how}")
+
+    def _show_block(self, frame, block: int) -> None:
+        """A cached block on its own: its content tag, fill, refs and who held it."""
+        if block >= frame.num_blocks:
+            self.selection_label.setText(f"block {block}: not in this pool")
+            self.table_model.show_text(HOLDER_HEADERS, [])
+            return
+        flags = int(frame.array("flags")[block])
+        state = flags & BLOCK_STATE_MASK
+        tag = int(frame.block_tags()[block])
+        tag_text = f"tag {tag:08x}" if tag >= 0 else "no content tag"
+        rows = [(r, str(logical), "live") for r, logical in live_holders(frame, block)]
+        rows += [(h.request_id, str(h.logical), "finished")
+                 for h in self.history.holders(frame, block)]
+        name = {BLOCK_CACHED: "cached", BLOCK_USED: "in use"}.get(state, "free")
+        self.selection_label.setText(
+            f"<b>block {block}</b>: {name} · {tag_text} · "
+            f"ref count {int(frame.array('ref_count')[block])} · "
+            f"{int(frame.array('filled')[block])}/{frame.block_size} tokens · "
+            + (f"held by {len(rows)} request(s) below" if rows
+               else "no request seen by this window held this content"))
+        self.table_model.show_text(HOLDER_HEADERS, rows)
 
     def _totals_html(self, frame) -> str:
         n, bs = frame.num_blocks, frame.block_size
@@ -299,7 +435,7 @@ class BlockMap(QWidget):
             self.hovered = block
             self.blockHovered.emit(block)
         if block >= 0:
-            text = describe_block(self.frame, block)
+            text = self.describe(block)
             self.hover_label.setText(text)
             self.plot.setToolTip(text)
         else:
@@ -314,9 +450,13 @@ class BlockMap(QWidget):
         self.click_block(self.block_at(event.scenePos()))
 
     def click_block(self, block: int) -> None:
-        """Select the request owning a block; a free block clears the selection."""
+        """Select the request owning a block; a cached block is shown on its own; a free
+        block clears the selection."""
         frame = self.frame
         if frame is None or block < 0:
+            return
+        if int(frame.array("flags")[block]) & BLOCK_STATE_MASK == BLOCK_CACHED:
+            self.select_block(block)
             return
         owner = int(frame.array("owner")[block])
         rid = frame.request_ids[owner] if 0 <= owner < len(frame.request_ids) else None

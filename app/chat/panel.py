@@ -2,7 +2,8 @@
 
 Deltas are buffered by the bridge and arrive here ~30 times a second; each batch becomes one
 insertText at the end of the document per reply, never a re-render of the transcript.
-Click a reply's header to select its request in the block map.
+Click a reply (its header, text or stats line) to select its request in the block map: every
+part of a reply is a link to "request:<id>".
 """
 from __future__ import annotations
 
@@ -58,6 +59,15 @@ class ConversationView(QTextBrowser):
         self.anchorClicked.connect(self._anchor)
         self._text_format = QTextCharFormat()
         self._text_format.setForeground(QColor("#e6e6e6"))
+        self._reply_format = self._text_format
+        # Following is a state, not a test made when text arrives: appending a header or a
+        # line grows the range before the next check, so "at the bottom now" is already false
+        # then. It changes only when the user scrolls (up: stop; back to the bottom: resume).
+        self.following = True
+        self._pinning = False
+        bar = self.verticalScrollBar()
+        bar.valueChanged.connect(self._scrolled)
+        bar.rangeChanged.connect(self._range_changed)
 
     def _end(self) -> QTextCursor:
         cursor = QTextCursor(self.document())
@@ -73,20 +83,39 @@ class ConversationView(QTextBrowser):
             cursor.insertBlock(fmt, QTextCharFormat())
         return cursor
 
-    def _follow(self) -> bool:
+    def at_bottom(self) -> bool:
         bar = self.verticalScrollBar()
         return bar.value() >= bar.maximum() - 4
 
-    def _scroll(self, follow: bool) -> None:
-        if follow:
-            self.verticalScrollBar().setValue(self.verticalScrollBar().maximum())
+    def _scrolled(self, _value: int) -> None:
+        if not self._pinning:
+            self.following = self.at_bottom()
+
+    def _range_changed(self, _minimum: int, _maximum: int) -> None:
+        # The document lays itself out lazily, so the range can grow after the insert that
+        # caused it: pinning on every growth keeps the last line in view whenever it lands.
+        if self.following:
+            self._pin_to_bottom()
+
+    def _pin_to_bottom(self) -> None:
+        self._pinning = True
+        try:
+            bar = self.verticalScrollBar()
+            bar.setValue(bar.maximum())
+        finally:
+            self._pinning = False
+
+    def _keep_following(self) -> None:
+        if self.following:
+            self._pin_to_bottom()
 
     def append_user(self, text: str) -> None:
         self.messages.append({"role": "user", "content": text})
         body = html.escape(text).replace("\n", "<br>")
         cursor = self._new_block()
         cursor.insertHtml(f"<b style='color:#8ab4f8'>You</b><br>{body}")
-        self._scroll(True)
+        self.following = True  # the user's own message: show it and what answers it
+        self._pin_to_bottom()
 
     def begin_reply(self, turn: Turn) -> None:
         self.turn = turn
@@ -97,27 +126,34 @@ class ConversationView(QTextBrowser):
             f"<b>■ Assistant</b> <span style='color:#8a8f98'>"
             f"({html.escape(turn.request_id)})</span></a>")
         self._new_block(spacing=0)
+        # The body is a link too, without a link's look: clicking anywhere in a reply
+        # selects it, not only the small header.
+        self._reply_format = QTextCharFormat(self._text_format)
+        self._reply_format.setAnchor(True)
+        self._reply_format.setAnchorHref(f"request:{turn.request_id}")
+        self._keep_following()
 
     def append_reply_text(self, text: str) -> None:
         if text:
-            follow = self._follow()
-            self._end().insertText(text, self._text_format)
-            self._scroll(follow)
+            self._end().insertText(text, self._reply_format)
+            self._keep_following()
 
     def end_reply(self, turn: Turn) -> None:
-        follow = self._follow()
         color = "#e06c75" if turn.error else "#8a8f98"
         note = f"⚠ {html.escape(turn.error)}<br>" if turn.error else ""
         self._new_block(spacing=2).insertHtml(
+            f"<a href='request:{turn.request_id}' style='text-decoration:none'>"
             f"<span style='color:{color};font-size:small'>{note}"
-            f"{html.escape(turn.stats_text())}</span>")
+            f"{html.escape(turn.stats_text())}</span></a>")
         self.messages.append({"role": "assistant", "content": turn.text})
         self.turn = None
-        self._scroll(follow)
+        self._reply_format = self._text_format
+        self._keep_following()
 
     def clear_conversation(self) -> None:
         self.messages.clear()
         self.clear()
+        self.following = True
 
     def _anchor(self, url: QUrl) -> None:
         text = url.toString()
@@ -133,6 +169,8 @@ class ChatPanel(QWidget):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.turns: dict[str, Turn] = {}
+        self._engine_alive = True
+        self._engine_reason = ""
         self._numbers = itertools.count(1)
         self.tabs = QTabWidget()
         self.tabs.setTabsClosable(True)
@@ -231,7 +269,7 @@ class ChatPanel(QWidget):
         """Send the input as the next user message; returns the new request id."""
         text = self.input.toPlainText().strip()
         view = self.conversation()
-        if not text or view.turn is not None:
+        if not text or view.turn is not None or not self._engine_alive:
             return None
         self.input.clear()
         view.append_user(text)
@@ -296,6 +334,12 @@ class ChatPanel(QWidget):
             view.end_reply(turn)
         self._update_buttons()
 
+    def set_engine_alive(self, alive: bool, reason: str = "") -> None:
+        """Send (button and Enter) works only while an engine can take the message."""
+        self._engine_alive = alive
+        self._engine_reason = reason
+        self._update_buttons()
+
     def in_flight(self) -> list[Turn]:
         return [t for t in self.turns.values() if not t.done]
 
@@ -308,6 +352,8 @@ class ChatPanel(QWidget):
     def _update_buttons(self) -> None:
         view = self.conversation()
         busy = view is not None and view.turn is not None
-        self.send_button.setEnabled(not busy)
+        self.send_button.setEnabled(not busy and self._engine_alive)
+        self.send_button.setToolTip("" if self._engine_alive
+                                    else f"Engine unavailable: {self._engine_reason}")
         self.stop_button.setEnabled(busy)
         self.refresh_labels()

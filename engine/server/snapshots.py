@@ -87,6 +87,8 @@ def blocks_frame(engine, seq: int, sources: dict[str, str] | None = None) -> m.B
     arrays = {"owner": owner, "filled": filled, "ref_count": np.bincount(flat, minlength=n),
               "flags": flags, "table_offsets": offsets, "tables": flat}
     packed = {name: _narrow(a) for name, a in arrays.items()}
+    # Tags use all 32 bits, so narrowing would never pick a smaller type.
+    packed["hash_tags"] = (_hash_tags(bm), "<u4")
     running = len(sched.running)
     return m.BlocksFrame(
         seq=seq, time=time.time(), step=engine.num_steps, num_blocks=n, block_size=bs,
@@ -160,6 +162,17 @@ def _block_flags(bm, flat: np.ndarray) -> np.ndarray:
     hashed = np.fromiter(bm.hash_to_block.values(), np.int64, len(bm.hash_to_block))
     flags[hashed] |= m.BLOCK_HAS_HASH
     return flags
+
+
+def _hash_tags(bm) -> bytes:
+    """Low 32 bits of each registered hash, ordered by block id: the order in which the
+    frame's BLOCK_HAS_HASH flags list the hashed blocks (_block_flags sets them from the same
+    map), so the receiver lines them up without block ids on the wire."""
+    count = len(bm.hash_to_block)
+    blocks = np.fromiter(bm.hash_to_block.values(), np.int64, count)
+    # Python hashes are signed 64-bit; masking keeps the low 32 bits of either sign.
+    tags = np.fromiter(bm.hash_to_block.keys(), np.int64, count) & 0xFFFFFFFF
+    return tags[np.argsort(blocks)].astype("<u4").tobytes()
 
 
 def _filled(live, lens, offsets, flat, n, bs, flags) -> np.ndarray:

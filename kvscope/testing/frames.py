@@ -11,10 +11,14 @@ from kvscope.ipc import messages as m
 def blocks_frame(num_blocks: int = 64, block_size: int = 16,
                  tables: dict[str, list[int]] | None = None,
                  filled: dict[int, int] | None = None, cached: tuple[int, ...] = (),
-                 running: tuple[str, ...] | None = None, seq: int = 1) -> m.BlocksFrame:
-    """tables: request id -> physical blocks; blocks in two tables are shared (ref 2)."""
+                 running: tuple[str, ...] | None = None, seq: int = 1,
+                 tags: dict[int, int] | None = None) -> m.BlocksFrame:
+    """tables: request id -> physical blocks; blocks in two tables are shared (ref 2).
+    tags: block -> content tag, making the block prefix-cached (hashed); a cached block
+    without one gets its own id as its tag."""
     tables = tables or {}
     filled = filled or {}
+    tags = {**{b: b for b in cached}, **(tags or {})}
     ids = list(tables)
     owner = np.full(num_blocks, -1, np.int32)
     ref = np.zeros(num_blocks, np.uint16)
@@ -28,12 +32,15 @@ def blocks_frame(num_blocks: int = 64, block_size: int = 16,
             flags[b] = m.BLOCK_USED
             fill[b] = filled.get(b, block_size)
     for b in cached:
-        flags[b] = m.BLOCK_CACHED | m.BLOCK_HAS_HASH
+        flags[b] = m.BLOCK_CACHED
         fill[b] = block_size
+    for b in tags:
+        flags[b] |= m.BLOCK_HAS_HASH
+    hash_tags = np.array([tags[b] for b in sorted(tags)], "<u4")
     lens = [len(tables[r]) for r in ids]
     offsets = np.concatenate([[0], np.cumsum(lens)]).astype("<i4")
     flat = np.array([b for r in ids for b in tables[r]], "<i4")
-    used = int((flags == m.BLOCK_USED).sum())
+    used = int(((flags & m.BLOCK_STATE_MASK) == m.BLOCK_USED).sum())
     running = tuple(ids) if running is None else running
     tokens = [sum(int(fill[b]) for b in tables[r]) for r in ids]
     return m.BlocksFrame(
@@ -42,9 +49,11 @@ def blocks_frame(num_blocks: int = 64, block_size: int = 16,
         ref_count=ref.astype("<u2").tobytes(), flags=flags.tobytes(), request_ids=ids,
         request_running=[r in running for r in ids], num_tokens=tokens,
         num_computed_tokens=tokens, table_offsets=offsets.tobytes(), tables=flat.tobytes(),
+        hash_tags=hash_tags.tobytes(),
         used=used, free=num_blocks - used - len(cached), cached=len(cached),
         tokens_stored=int(fill.sum()), internal_waste_slots=int(used * block_size - sum(
-            int(fill[b]) for b in range(num_blocks) if flags[b] == m.BLOCK_USED)),
+            int(fill[b]) for b in range(num_blocks)
+            if flags[b] & m.BLOCK_STATE_MASK == m.BLOCK_USED)),
         reserved_max_len_blocks=32 * len(ids), reserved_request_blocks=8 * len(ids))
 
 
