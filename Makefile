@@ -24,7 +24,9 @@ run: setup
 
 test: setup lint-imports typecheck
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --ignore=tests/app/xvfb
+	# A process's QApplication keeps its platform: the real-X group runs on its own, on xcb.
+	QT_QPA_PLATFORM=xcb $(PY) -m pytest -q -rs tests/app/xvfb
 
 # grimp and mypy read a package from its own folder, and ours is spread over the root's folders
 # (pyproject's package-dir); so the import contracts and the type check run on a copy laid out

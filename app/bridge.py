@@ -156,6 +156,33 @@ def _lost(client) -> int:
     return sum(getattr(client, "missed", {}).values()) if client is not None else 0
 
 
+def death_kind(client) -> str:
+    """Why a client gave up, from what it recorded: "refused" (a handshake failed: CURVE keys
+    or the key was refused), "stopped" (it was heard, then went silent) or "unreachable"
+    (nothing ever answered and no handshake was refused)."""
+    if getattr(client, "_refusal", None):
+        return "refused"
+    return "stopped" if getattr(client, "_heard", False) else "unreachable"
+
+
+DEATH_PREFIX = {"refused": "key refused", "stopped": "engine stopped answering",
+                "unreachable": "engine unreachable"}
+
+
+def death_message(client) -> str:
+    """The client's own reason, led by what kind of failure it is."""
+    reason = client.dead_reason or "the engine stopped"
+    kind = death_kind(client)
+    if kind == "refused":
+        return f"{DEATH_PREFIX[kind]}: {reason}"
+    if kind == "unreachable":
+        where = getattr(client, "command_endpoint", "") or "its endpoint"
+        hint = (" (with CURVE on, a wrong server key looks the same)"
+                if getattr(client, "keys", None) is not None else "")
+        return f"{DEATH_PREFIX[kind]}: nothing answered at {where}{hint}"
+    return f"{DEATH_PREFIX[kind]}: {reason}"
+
+
 def _message(exc: Exception) -> str:
     return getattr(exc, "message", None) or str(exc) or type(exc).__name__
 
@@ -236,6 +263,11 @@ class EngineBridge(QObject):
         self._timer.start()
         self._helloRequested.emit()
 
+    def request_hello(self) -> None:
+        """Ask the engine who it is again (after it came back: its settings may differ)."""
+        if self.client is not None:
+            self._helloRequested.emit()
+
     def submit(self, request_id: str, prompt, sampling: dict) -> None:
         if self.client is None:
             self.submitFailed.emit(request_id, "no engine is connected")
@@ -287,7 +319,7 @@ class EngineBridge(QObject):
             dead = self.client.dead
             if dead and not self._dead:
                 self._dead = True
-                self.engineDied.emit(self.client.dead_reason or "the engine stopped")
+                self.engineDied.emit(death_message(self.client))
             elif self._dead and not dead:
                 self._dead = False
                 self.engineRevived.emit()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -33,10 +34,23 @@ def serve_command(engine_args: list[str]) -> list[str]:
             *engine_args]
 
 
+def exit_text(code: int, crashed: bool) -> str:
+    """How a child ended, in words. On a crash QProcess's exit code is the signal's number
+    (kill -9 is "killed by SIGKILL", never "exited with code 9")."""
+    if not crashed:
+        return f"exited with code {code}"
+    try:
+        return f"was killed by {signal.Signals(code).name}"
+    except ValueError:
+        return f"was killed by signal {code}"
+
+
 class EngineProcess(QObject):
     ready = Signal(str, str)  # command endpoint, state endpoint
     failed = Signal(str)  # it exited (or could not start) before it was ready
     exited = Signal(int)  # exit code, after it had been ready
+    # After it had been ready, in words: "exited with code 3" or "killed by SIGKILL".
+    exitedBecause = Signal(str)
 
     def __init__(self, engine_args: list[str] | None = None,
                  parent: QObject | None = None) -> None:
@@ -89,15 +103,17 @@ class EngineProcess(QObject):
         *lines, self._stderr = self._stderr.split(b"\n")
         self.stderr_tail.extend(x.decode(errors="replace") for x in lines if x.strip())
 
-    def _finished(self, code: int, _status) -> None:
+    def _finished(self, code: int, status) -> None:
         if self._stopping:
             return
+        how = exit_text(code, status == QProcess.ExitStatus.CrashExit)
         if self.endpoints is None:
             tail = "\n".join(list(self.stderr_tail)[-8:])
-            self.failed.emit(f"the engine exited with code {code} before it was ready"
+            self.failed.emit(f"the engine {how} before it was ready"
                              + (f":\n{tail}" if tail else ""))
         else:
             self.exited.emit(code)
+            self.exitedBecause.emit(f"the engine process {how}")
 
     def _error(self, error) -> None:
         if error == QProcess.ProcessError.FailedToStart and self.proc is not None:

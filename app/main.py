@@ -46,7 +46,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="with --screenshot: seconds after the engine is ready (default 10)")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="with --screenshot: give up (exit 1) if the engine is not ready by then")
-    p.add_argument("--size", default="1600x960", help="window size WxH")
+    p.add_argument("--size", type=window_size, metavar="WxH",
+                   help="the window's size (default: what the screen offers, up to "
+                        "1920x1080; with --screenshot: 1600x960); on screen it never "
+                        "exceeds the screen's free area")
     add_vllm_options(p)
     g = p.add_argument_group("engine options (passed to the engine child)")
     g.add_argument("--model", help='"default" (embedded SmolLM2-135M-Instruct), a checkpoint '
@@ -69,6 +72,29 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="the engine serves the OpenAI API on 127.0.0.1:P/v1 (0: a free port; "
                         "remembered for later starts; -1 turns it off again)")
     return p
+
+
+SCREENSHOT_SIZE = (1600, 960)
+
+
+def window_size(text: str) -> tuple[int, int]:
+    """--size's "WxH" as (width, height)."""
+    w, sep, h = text.lower().partition("x")
+    try:
+        size = (int(w), int(h))
+    except ValueError:
+        size = (0, 0)
+    if not sep or min(size) <= 0:
+        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT (1366x768), not {text!r}")
+    return size
+
+
+def on_screen_size(size: tuple[int, int], screen) -> tuple[int, int]:
+    """A requested size, cut down to the screen's free area."""
+    if screen is None:
+        return size
+    free = screen.availableGeometry()
+    return min(size[0], free.width()), min(size[1], free.height())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,6 +141,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # ipc.keys.KeyFileError names the missing or unsafe file
         print(f"kvscope: error: {exc}", file=sys.stderr)
         return 2
+    from kvscope.app.preflight import preflight_exit_code
+
+    if (code := preflight_exit_code()) is not None:  # Qt's own xcb message misleads
+        return code
     from PySide6.QtCore import QTimer
     from PySide6.QtWidgets import QApplication
 
@@ -139,9 +169,11 @@ def run(args: argparse.Namespace) -> int:
         settings = QSettings(f"{scratch}/settings.ini", QSettings.Format.IniFormat)
     window = MainWindow(engine_args=engine_args(args), attach=args.attach,
                         attach_state=args.attach_state, settings=settings, attach_keys=keys)
-    if args.screenshot:
-        w, _, h = args.size.partition("x")
-        window.resize(int(w), int(h))
+    if args.screenshot:  # exactly this size: a screenshot may be larger than the screen
+        window.resize(*(args.size or SCREENSHOT_SIZE))
+    elif args.size:
+        window.resize(*on_screen_size(args.size, window.screen()))
+        window.center_on_screen()
     status = {"code": 0}
     if args.demo or args.screenshot:
         window.engineReady.connect(lambda _hello: start_demo(window))

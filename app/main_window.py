@@ -5,8 +5,8 @@ engine status bar below. Owns the engine child (or attaches to an engine) and th
 from __future__ import annotations
 
 import msgspec
-from PySide6.QtCore import QSettings, Qt, Signal
-from PySide6.QtGui import QKeySequence, QShortcut
+from PySide6.QtCore import QRect, QSettings, Qt, Signal
+from PySide6.QtGui import QAction, QKeySequence, QShortcut
 from PySide6.QtWidgets import QDockWidget, QMainWindow, QScrollArea, QSplitter, QTabWidget
 
 from kvscope.app import settings as app_settings
@@ -15,7 +15,7 @@ from kvscope.app.bridge import EngineBridge
 from kvscope.app.calculator.panel import KVCalculatorPanel
 from kvscope.app.chat.panel import ChatPanel
 from kvscope.app.controls.load_generator import LoadGenerator, LoadGeneratorPanel
-from kvscope.app.controls.panel import ControlsPanel
+from kvscope.app.controls.panel import KEYS, ControlsPanel
 from kvscope.app.device.panel import DevicePanel
 from kvscope.app.engine_process import EngineProcess
 from kvscope.app.frame_clock import FrameClock, FrameJobs
@@ -24,16 +24,42 @@ from kvscope.app.status_bar import EngineStatusBar
 from kvscope.app.traces.panel import TracePanel, engine_args_from
 from kvscope.ipc.messages import EngineSettings, HelloResult
 
-WIDE = 1800  # from this width on the chat and the side panel each get a column of their own
+WIDE = 1800  # around this width the chat and the side panel each get a column of their own
+# Hysteresis: a window dragged to about WIDE does not flip between the two arrangements.
+THREE_COLUMNS_FROM = 1850
+TWO_COLUMNS_BELOW = 1750
 MAP_SHARE = 0.66  # of the middle's height: the block map; the rest is the history row
+CHAT_MIN_WIDTH = 300  # the chat's input row and reply headers stay whole
+SIDE_MIN_WIDTH = 340  # the Engine tab's fields and its Apply button stay whole
+MAP_MIN_HEIGHT = 260  # below its side panel's wish: its block table scrolls instead, and
+# the window fits a 1280x720 screen's free area with a title bar and a panel
+CHAT_WIDTH, SIDE_WIDTH = 380, 380  # the docks' widths in a new layout (three columns)
 
 
 def default_size(screen) -> tuple[int, int]:
-    """As much of the screen as it offers, up to 1920x1080 (at least 1366x768)."""
+    """As much of the screen as it offers, up to 1920x1080, never more than it offers (room
+    is left for a window manager's frame)."""
     if screen is None:
         return 1600, 960
     free = screen.availableGeometry()
-    return max(1366, min(1920, free.width() - 40)), max(768, min(1080, free.height() - 60))
+    return (min(1920, free.width() - min(40, free.width() // 32)),
+            min(1080, free.height() - min(60, free.height() // 12)))
+
+
+def arrangement_for(width: int, current: str | None) -> str:
+    """"three" (chat | map | controls) or "two" (chat and controls tabbed | map) for a window
+    this wide; near WIDE the current arrangement stays (hysteresis)."""
+    if width >= THREE_COLUMNS_FROM:
+        return "three"
+    if width < TWO_COLUMNS_BELOW:
+        return "two"
+    return current or ("three" if width >= WIDE else "two")
+
+
+def fits(frame: QRect, free: QRect, slack: int = 8) -> bool:
+    """Whether a window's frame lies within the screen's free area (a few pixels of a
+    window manager's border may stick out)."""
+    return free.adjusted(-slack, -slack, slack, slack).contains(frame)
 
 
 def shown(widget) -> bool:
@@ -48,6 +74,13 @@ def scrollable(panel) -> QScrollArea:
     area.setFrameShape(QScrollArea.Shape.NoFrame)
     area.setWidget(panel)
     return area
+
+
+def applied_args(config: EngineSettings) -> list[str]:
+    """Engine options that start a child with these settings (later options win)."""
+    values = {k: getattr(config, k) for k in KEYS}
+    args = engine_args_from(values, {})
+    return args + ["--kv-anchor-tokens", str(config.kv_anchor_tokens)]
 
 
 class MainWindow(QMainWindow):
@@ -65,8 +98,10 @@ class MainWindow(QMainWindow):
         self.hello: HelloResult | None = None
         self.closed = False
         self.bridge = EngineBridge(self, heartbeat_timeout=heartbeat_timeout)
-        self.engine = None if attach else EngineProcess(
-            app_settings.with_http_port(engine_args or [], self.settings), self)
+        self.base_engine_args = app_settings.with_http_port(engine_args or [], self.settings)
+        self.engine = None if attach else EngineProcess(list(self.base_engine_args), self)
+        self.applied: EngineSettings | None = None  # the last ReconfigureResult's settings
+        self.restarted = False
 
         self.chat = ChatPanel()
         self.block_map = BlockMap()
@@ -80,8 +115,11 @@ class MainWindow(QMainWindow):
         self.status = EngineStatusBar(self)
         self.setStatusBar(self.status)
 
+        self.arrangement: str | None = None  # "three" or "two" columns, see arrangement_for
         self._lay_out()
+        self._menus()
         self.resize(*default_size(self.screen()))
+        self.center_on_screen()
 
         self._wire()
         self._shortcuts()
@@ -92,6 +130,9 @@ class MainWindow(QMainWindow):
         # No saved layout: lay out for the size the window has when it first shows.
         self.needs_default_layout = self.settings.value("window/state") is None
         app_settings.restore(self, self.settings)
+        if not self.needs_default_layout and not (
+                app_settings.layout_is_for(self.settings, self.screen()) and self.fits_screen()):
+            self.discard_saved_layout()  # saved on a larger screen, or a clipped one
 
     # -- layout ---------------------------------------------------------------------------------
     def _lay_out(self) -> None:
@@ -104,6 +145,7 @@ class MainWindow(QMainWindow):
         self.history_splitter.setCollapsible(1, False)
         self.views_splitter = QSplitter(Qt.Orientation.Vertical)
         self.views_splitter.addWidget(self.block_map)
+        self.block_map.setMinimumHeight(MAP_MIN_HEIGHT)
         self.views_splitter.addWidget(self.history_splitter)
         self.views_splitter.setStretchFactor(0, 1)  # a taller window grows the map
         self.views_splitter.setCollapsible(0, False)
@@ -115,38 +157,110 @@ class MainWindow(QMainWindow):
             self.side_tabs.addTab(scrollable(panel), name)
         self.chat_dock = self._dock("Chat", "chatDock", self.chat)
         self.side_dock = self._dock("Controls", "controlsDock", self.side_tabs)
+        # Tabbed to begin with, the narrowest arrangement: showing the window must not widen it
+        # (showEvent then arranges for the real width).
         self.addDockWidget(Qt.DockWidgetArea.LeftDockWidgetArea, self.chat_dock)
-        self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.side_dock)
+        self.addDockWidget(Qt.DockWidgetArea.LeftDockWidgetArea, self.side_dock)
+        self.tabifyDockWidget(self.chat_dock, self.side_dock)
 
     def _dock(self, title: str, name: str, widget) -> QDockWidget:
         dock = QDockWidget(title, self)
         dock.setObjectName(name)
         dock.setWidget(widget)
+        dock.setMinimumWidth(CHAT_MIN_WIDTH if name == "chatDock" else SIDE_MIN_WIDTH)
         dock.setFeatures(QDockWidget.DockWidgetFeature.DockWidgetMovable
                          | QDockWidget.DockWidgetFeature.DockWidgetFloatable)
         return dock
+
+    def _menus(self) -> None:
+        view = self.menuBar().addMenu("&View")
+        view.addAction(self.chat_dock.toggleViewAction())
+        view.addAction(self.side_dock.toggleViewAction())
+        view.addSeparator()
+        self.reset_layout_action = QAction("&Reset layout", self)
+        self.reset_layout_action.setStatusTip("Dock, size and split the window as on a first "
+                                              "start, for this screen")
+        self.reset_layout_action.triggered.connect(self.reset_layout)
+        view.addAction(self.reset_layout_action)
 
     def showEvent(self, event) -> None:
         if self.needs_default_layout:
             self.needs_default_layout = False
             self.default_layout(self.width(), self.height())
+        elif self.arrangement is None:  # a restored layout: which one, and is it right here
+            self.arrangement = self.current_arrangement()
+            self.arrange(arrangement_for(self.width(), self.arrangement))
         super().showEvent(event)
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        if self.arrangement is not None:
+            self.arrange(arrangement_for(event.size().width(), self.arrangement))
+
+    def current_arrangement(self) -> str:
+        """The docks as they are now: tabbed together ("two") or in columns ("three")."""
+        return "two" if self.side_dock in self.tabifiedDockWidgets(self.chat_dock) else "three"
+
+    def arrange(self, arrangement: str) -> None:
+        """Put the docks in three columns or tab them in one; a no-op when they already are."""
+        if arrangement == self.arrangement:
+            return
+        self.arrangement = arrangement
+        for dock in (self.chat_dock, self.side_dock):
+            dock.setFloating(False)
+        if arrangement == "three":
+            self.addDockWidget(Qt.DockWidgetArea.LeftDockWidgetArea, self.chat_dock)
+            self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.side_dock)
+            self.resizeDocks([self.chat_dock, self.side_dock], [CHAT_WIDTH, SIDE_WIDTH],
+                             Qt.Orientation.Horizontal)
+        else:
+            self.addDockWidget(Qt.DockWidgetArea.LeftDockWidgetArea, self.side_dock)
+            self.tabifyDockWidget(self.chat_dock, self.side_dock)
+            self.chat_dock.raise_()
+            width = max(SIDE_MIN_WIDTH, min(420, self.width() // 4))
+            self.resizeDocks([self.chat_dock], [width], Qt.Orientation.Horizontal)
 
     def default_layout(self, width: int, height: int) -> None:
         """Place the docks and split the middle for a window of this size (no saved layout)."""
-        left = Qt.DockWidgetArea.LeftDockWidgetArea
-        if width >= WIDE:
-            self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.side_dock)
-            self.resizeDocks([self.chat_dock, self.side_dock], [380, 360],
-                             Qt.Orientation.Horizontal)
-        else:
-            self.addDockWidget(left, self.side_dock)
-            self.tabifyDockWidget(self.chat_dock, self.side_dock)
-            self.chat_dock.raise_()
-            self.resizeDocks([self.chat_dock], [min(400, width // 4)], Qt.Orientation.Horizontal)
+        self.arrangement = None
+        self.arrange(arrangement_for(width, None))
         map_height = int(MAP_SHARE * height)
         self.views_splitter.setSizes([map_height, height - map_height])
         self.history_splitter.setSizes([width, 340])
+
+    def center_on_screen(self) -> None:
+        screen = self.screen()
+        if screen is not None:
+            free = screen.availableGeometry()
+            self.move(free.x() + max(0, (free.width() - self.width()) // 2),
+                      free.y() + max(0, (free.height() - self.height()) // 2))
+
+    def fits_screen(self) -> bool:
+        """Whether the whole window, frame included, is on the screen's free area."""
+        screen = self.screen()
+        return screen is None or fits(self.frameGeometry(), screen.availableGeometry())
+
+    def discard_saved_layout(self) -> None:
+        """Forget the saved geometry and docks; the window lays out anew for this screen."""
+        app_settings.forget_layout(self.settings)
+        size = default_size(self.screen())
+        # First the docks (a restored or current three columns would keep the window wide),
+        # then the narrower minimum is in force before the resize meets it.
+        self.arrangement = None
+        self.arrange(arrangement_for(size[0], None))
+        self.layout().activate()
+        self.resize(*size)
+        self.center_on_screen()
+        self.needs_default_layout = True
+
+    def reset_layout(self) -> None:
+        """View > Reset layout: the first start's size, docks and splits, for this screen."""
+        self.discard_saved_layout()
+        if self.isVisible():
+            self.needs_default_layout = False
+            self.chat_dock.show()
+            self.side_dock.show()
+            self.default_layout(self.width(), self.height())
 
     # -- wiring ---------------------------------------------------------------------------------
     def _wire(self) -> None:
@@ -156,6 +270,7 @@ class MainWindow(QMainWindow):
         b.deltasReceived.connect(self.load.on_deltas)
         b.helloReceived.connect(self.on_hello)
         b.engineDied.connect(self.on_engine_dead)
+        b.engineRevived.connect(self.on_engine_revived)
         b.submitFailed.connect(self.chat.on_submit_failed)
         b.submitFailed.connect(self.load.on_submit_failed)
         b.reconfigured.connect(self.on_reconfigured)
@@ -176,8 +291,7 @@ class MainWindow(QMainWindow):
         if self.engine is not None:
             self.engine.ready.connect(self.bridge.attach)
             self.engine.failed.connect(self.on_engine_failed)
-            self.engine.exited.connect(
-                lambda code: self.on_engine_dead(f"the engine process exited (code {code})"))
+            self.engine.exitedBecause.connect(self.on_engine_dead)
 
     def _shortcuts(self) -> None:
         for keys, slot in ((Qt.Key.Key_Escape, self.chat.stop),
@@ -192,6 +306,8 @@ class MainWindow(QMainWindow):
     def start(self) -> None:
         """Start the local engine child, or attach to the given one."""
         self.clock.start()
+        self.status.set_mode(self.attach_endpoints[0] if self.attach_endpoints else None,
+                             self.attach_keys is not None)
         if self.engine is not None:
             self.status.mark_connecting("starting the engine (loading the model)…")
             self.engine.start()
@@ -206,8 +322,22 @@ class MainWindow(QMainWindow):
         self.plots.clear()
         self.device_panel.clear()
         self.hello = None
-        self.controls.set_enabled(False)
+        self.restarted = True
+        if self.engine is not None and self.applied is not None:
+            self.engine.engine_args = self.base_engine_args + applied_args(self.applied)
+        self.controls.show_unknown()
         self.start()
+
+    def on_engine_revived(self) -> None:
+        """The engine answers again (an attached serve restarted): ask who it is, since its
+        settings may have changed; on_hello re-enables the controls and refreshes the views.
+        Nothing here resizes the window."""
+        if self.closed:
+            return
+        self.status.mark_connecting("the engine is back: asking for its settings…")
+        self.device_panel.clear()
+        self.restarted = True
+        self.bridge.request_hello()
 
     def shutdown(self) -> None:
         """Stop timers, threads and the engine child; idempotent."""
@@ -230,10 +360,17 @@ class MainWindow(QMainWindow):
     # -- engine facts ---------------------------------------------------------------------------
     def on_hello(self, hello: HelloResult) -> None:
         self.hello = hello
-        self.controls.show_config(hello.config)
+        if self.restarted:
+            self.controls.show_restarted(hello.config)
+        else:
+            self.controls.show_config(hello.config)
+        self.restarted = False
+        self.chat.set_engine_alive(True, "")
         self.kv_calculator.set_running_model(hello.config.model)
         self.status.show_hello(hello)
         self.status.start_watching()
+        self.repaint_views()
+        self.refresh_labels()
         self.engineReady.emit(hello)
 
     def replay_engine_args(self) -> list[str]:
@@ -266,19 +403,21 @@ class MainWindow(QMainWindow):
             self.clock.set_busy(frame.busy)
 
     def on_reconfigured(self, config: EngineSettings) -> None:
+        self.applied = config  # a restart starts the new child with these
         self.controls.show_applied(config)
 
     def on_engine_dead(self, reason: str) -> None:
         if self.closed:
             return
         self.status.mark_dead(reason)
+        self.chat.set_engine_alive(False, f"the engine is dead: {self.status.dead_reason}")
         self.kv_calculator.fits.set_device(None)  # that device's free memory is no longer known
         self.device_panel.mark_stale("engine dead")
         self.chat.fail_all(f"engine died: {reason}")
         self.load.fail_all()
         if self.controls.busy:
             self.controls.show_refused(f"engine died: {reason}")
-        self.controls.set_enabled(False)
+        self.controls.show_unknown()
 
     def on_engine_failed(self, message: str) -> None:
         self.on_engine_dead(message)

@@ -55,11 +55,38 @@ def _widgets(window) -> dict[str, object]:
 def save(window, s: QSettings) -> None:
     s.setValue("window/geometry", window.saveGeometry())
     s.setValue("window/state", window.saveState())
+    s.setValue("window/screen", screen_key(window.screen()))
     s.setValue("window/views_splitter", window.views_splitter.saveState())
     s.setValue("window/history_splitter", window.history_splitter.saveState())
     s.setValue("window/side_tab", window.side_tabs.currentIndex())
     for key, w in _widgets(window).items():
         s.setValue(key, w.currentText() if isinstance(w, QComboBox) else w.value())
+    s.sync()
+
+
+LAYOUT_KEYS = ("window/geometry", "window/state", "window/views_splitter",
+               "window/history_splitter", "window/screen")
+
+
+def screen_key(screen) -> str:
+    """The screen's free area as saved with a layout ("1920x1080"; "" without a screen)."""
+    if screen is None:
+        return ""
+    free = screen.availableGeometry()
+    return f"{free.width()}x{free.height()}"
+
+
+def layout_is_for(s: QSettings, screen) -> bool:
+    """Whether the saved layout was saved on a screen of this size (an older one, saved
+    without its screen, counts as this screen's; MainWindow still checks that it fits)."""
+    saved = s.value("window/screen")
+    return saved is None or str(saved) == screen_key(screen)
+
+
+def forget_layout(s: QSettings) -> None:
+    """Drop the saved geometry, docks and splits (Reset layout, or they no longer fit)."""
+    for key in LAYOUT_KEYS:
+        s.remove(key)
     s.sync()
 
 

@@ -7,8 +7,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtWidgets import QLabel, QPushButton, QStatusBar, QWidget
+from PySide6.QtWidgets import QLabel, QPushButton, QSizePolicy, QStatusBar, QWidget
 
+from kvscope.app.elided_label import ElidedLabel
 from kvscope.app.fmt import human_bytes
 from kvscope.ipc.messages import EngineStats, HelloResult, StatsFrame
 
@@ -31,7 +32,8 @@ class EngineStatusBar(QStatusBar):
         self.dead_reason = ""
         self.state_label = QLabel()
         self.state_label.setObjectName("engineState")
-        self.engine_label = QLabel("engine: starting…")
+        # Elides: a long death reason or model path must not widen the window (issue 23, 4).
+        self.engine_label = ElidedLabel("engine: starting…")
         self.blocks_label = QLabel("")
         self.metrics_label = QLabel("")
         self.metrics_label.setObjectName("metricsLabel")
@@ -49,7 +51,13 @@ class EngineStatusBar(QStatusBar):
         self.restart_button.setObjectName("restartButton")
         self.restart_button.clicked.connect(self.restartRequested)
         self.restart_button.hide()
+        self.mode_label = ElidedLabel("local engine")  # a long endpoint must not widen it
+        self.mode_label.setObjectName("engineMode")
+        # Its full text when there is room, shrinking (elided) before the window would widen.
+        self.mode_label.setSizePolicy(QSizePolicy.Policy.Preferred,
+                                      QSizePolicy.Policy.Preferred)
         self.addWidget(self.state_label)
+        self.addWidget(self.mode_label)
         self.addWidget(self.engine_label, 1)
         self.addPermanentWidget(self.stream_label)
         self.addPermanentWidget(self.metrics_label)
@@ -59,6 +67,20 @@ class EngineStatusBar(QStatusBar):
         self.timer.setInterval(CHECK_MS)
         self.timer.timeout.connect(self.check_heartbeat)
         self._set_state("connecting")
+
+    def set_mode(self, attached: str | None, curve: bool = False) -> None:
+        """Say whether this window runs its own engine or is attached to one (endpoint, auth);
+        attached, Restart can only reconnect, and the button says so."""
+        if attached is None:
+            self.mode_label.setText("local engine")
+            self.restart_button.setText("Restart engine")
+            self.restart_button.setToolTip("Start the engine child again, with the settings "
+                                           "last applied")
+            return
+        auth = "CURVE auth on" if curve else "no auth (plain text)"
+        self.mode_label.setText(f"attached to {attached} · {auth}")
+        self.restart_button.setText("Reconnect")
+        self.restart_button.setToolTip("This window does not own the engine: reconnect to it")
 
     def start_watching(self) -> None:
         self.last_heartbeat = self.clock()
@@ -108,6 +130,10 @@ class EngineStatusBar(QStatusBar):
             self.mark_dead(f"no heartbeat for {silent:.1f} s")
 
     def mark_dead(self, reason: str) -> None:
+        """The first reason stays while dead: a later "no heartbeat" says less than "killed
+        by SIGKILL"; only a new state (connecting, alive) replaces it."""
+        if self.state == "dead" and self.dead_reason:
+            return
         self.dead_reason = reason
         self._set_state("dead")
 
@@ -127,6 +153,8 @@ class EngineStatusBar(QStatusBar):
         self.restart_button.setVisible(state == "dead")
         if state == "dead":
             self.engine_label.setText(f"engine is dead: {self.dead_reason}")
+        elif state == "connecting":
+            self.dead_reason = ""
         if state != self.state:
             self.state = state
             self.stateChanged.emit(state)

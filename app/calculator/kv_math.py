@@ -34,6 +34,24 @@ PRESETS = {
 }
 
 
+# Parameters (billions) of the presets, for their weights in "what fits" on this device.
+PRESET_PARAMS_B = {
+    "SmolLM2-135M (embedded)": 0.135, "Llama-3.1-8B": 8.03, "Qwen2-7B": 7.62,
+    "Mistral-7B": 7.24, "Llama-2-7B (no GQA)": 6.74, "Llama-3.1-70B": 70.6,
+}
+WEIGHT_BYTES_PER_PARAM = 2  # bf16/fp16 weights, how such checkpoints ship
+
+
+def preset_weights_bytes(name: str) -> int | None:
+    params = PRESET_PARAMS_B.get(name)
+    return None if params is None else int(params * 1e9 * WEIGHT_BYTES_PER_PARAM)
+
+
+def swap_weights(available_bytes: int, loaded_weights: int, other_weights: int) -> int:
+    """The KV memory with another model's weights in place of the loaded ones."""
+    return max(0, available_bytes + loaded_weights - other_weights)
+
+
 def sample_lengths(dist: str, mean: int, max_len: int, n: int, seed: int) -> list[int]:
     """n request lengths (prompt + reply tokens) in 1..max_len, seeded."""
     rng = random.Random(seed)

@@ -25,6 +25,7 @@ from kvscope.app.calculator.what_fits import WhatFitsBox
 from kvscope.app.fmt import human_bytes
 
 RUNNING = "Running engine"
+EMBEDDED = "SmolLM2-135M (embedded)"
 FROM_FILE = "config.json…"
 
 
@@ -161,6 +162,23 @@ class KVCalculatorPanel(QWidget):
         self.kv_heads.setValue(shape.kv_heads)
         self.head_dim.setValue(shape.head_dim)
 
+    def other_model(self) -> str | None:
+        """The preset chosen when it is not the model the engine runs (None otherwise)."""
+        name = self.source.currentText()
+        if name in (RUNNING, FROM_FILE) or name not in kv_math.PRESETS:
+            return None
+        if self.running_shape == kv_math.ModelShape(*kv_math.PRESETS[name]):
+            return None
+        return name
+
+    def accuracy_note(self, dtype: str) -> str:
+        """The measured KV accuracy applies to the embedded model only: say so elsewhere."""
+        other = self.other_model()
+        if other is None or other == EMBEDDED:
+            return accuracy.hint(dtype)
+        return (f"KV accuracy was measured on {accuracy.MODEL} only (see its hints under "
+                f"the running engine); {other} may differ")
+
     def shape(self) -> kv_math.ModelShape:
         return kv_math.ModelShape(self.layers.value(), self.kv_heads.value(),
                                   self.head_dim.value())
@@ -172,7 +190,7 @@ class KVCalculatorPanel(QWidget):
         ctx = self.context.value()
         self.per_token.setText(f"<b>{human_bytes(per)}</b> per token ({per:,} B) · "
                                f"<b>{human_bytes(per * ctx)}</b> for {ctx:,} tokens")
-        self.accuracy.setText(accuracy.hint(dtype))
+        self.accuracy.setText(self.accuracy_note(dtype))
         if self.engine_bytes_per_token:
             self.engine_note.setText(f"the running engine reports "
                                      f"{self.engine_bytes_per_token:,} B per token "
@@ -186,6 +204,8 @@ class KVCalculatorPanel(QWidget):
             f"<b>{100 * c.reserved_waste:.1f} %</b> wasted<br>"
             f"paged: <b>{human_bytes(c.paged_slots * per)}</b>, "
             f"<b>{100 * c.paged_waste:.1f} %</b> wasted (last block of each request)")
+        other = self.other_model()
+        self.fits.set_other_model(other, kv_math.preset_weights_bytes(other) if other else None)
         self.fits.set_model(self.shape(), dtype, int(self.block_size.currentText()))
 
 

@@ -44,6 +44,8 @@ class WhatFitsBox(QGroupBox):
         self.engine_kv_dtype: str | None = None
         self.engine_block_size: int | None = None
         self.engine_max_seqs: int | None = None
+        # Another model than the running one: (its name, its weights' bytes); None: running.
+        self.other_model: tuple[str, int] | None = None
         self._cell_chosen = False  # the user picked a table cell: the line follows it
         self._setting_cell = False
         self.source = QComboBox()
@@ -111,6 +113,14 @@ class WhatFitsBox(QGroupBox):
         self.shape, self.dtype, self.block_size = shape, dtype, block_size
         self.recompute()
 
+    def set_other_model(self, name: str | None, weights_bytes: int | None) -> None:
+        """The calculator shows another model than the running one: its weights replace the
+        loaded ones in this device's memory (None: the running model's, as loaded)."""
+        other = (name, weights_bytes) if name and weights_bytes else None
+        if other != self.other_model:
+            self.other_model = other
+            self.recompute()
+
     def set_device(self, frame) -> None:
         """The engine's latest ipc.messages.DeviceFrame (about once a second), or None when
         there is no engine. Only numbers change: no widget is rebuilt, focus and the user's
@@ -150,10 +160,16 @@ class WhatFitsBox(QGroupBox):
         frac = self.headroom.value() / 100
         avail = kv_math.kv_memory_available(f.memory_free, f.kv_pool_bytes, f.memory_total,
                                             frac)
-        return avail, (f"{f.device} · {human_bytes(f.memory_free)} free + "
-                       f"{human_bytes(f.kv_pool_bytes)} KV pool − "
-                       f"{human_bytes(int(frac * f.memory_total))} headroom<br>"
-                       f"= <b>{human_bytes(avail)}</b> for the KV cache (weights "
+        head = (f"{f.device} · {human_bytes(f.memory_free)} free + "
+                f"{human_bytes(f.kv_pool_bytes)} KV pool − "
+                f"{human_bytes(int(frac * f.memory_total))} headroom")
+        if self.other_model is not None:
+            name, weights = self.other_model
+            avail = kv_math.swap_weights(avail, f.weights_bytes, weights)
+            return avail, (f"{head} + {human_bytes(f.weights_bytes)} running model's weights "
+                           f"− {human_bytes(weights)} {name} weights (bf16)<br>"
+                           f"= <b>{human_bytes(avail)}</b> for the KV cache")
+        return avail, (f"{head}<br>= <b>{human_bytes(avail)}</b> for the KV cache (weights "
                        f"{human_bytes(f.weights_bytes)} already loaded)")
 
     def choice(self) -> tuple[str, int]:

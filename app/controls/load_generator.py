@@ -142,7 +142,9 @@ class LoadGeneratorPanel(QWidget):
         self.button.setCheckable(True)
         self.button.toggled.connect(self._toggled)
         self.counts = QLabel("")
+        self.counts.setWordWrap(True)  # the dock is narrow: wrap, never widen it
         form = QFormLayout()
+        form.setRowWrapPolicy(QFormLayout.RowWrapPolicy.WrapLongRows)
         form.addRow("arrival rate (Poisson)", self.rate)
         form.addRow("max concurrent chats", self.concurrency)
         form.addRow("prompt words", _pair(self.prompt_min, self.prompt_max))

@@ -225,7 +225,9 @@ class OpenAILoadPanel(QGroupBox):
         self.button.setCheckable(True)
         self.button.toggled.connect(self._toggled)
         self.results = QLabel("")
+        self.results.setWordWrap(True)  # the dock is narrow: wrap, never widen it
         form = QFormLayout()
+        form.setRowWrapPolicy(QFormLayout.RowWrapPolicy.WrapLongRows)
         for name, w in (("base URL", self.url), ("model", self.model), ("API key", self.api_key),
                         ("rate", self.rate), ("burstiness", self.burstiness),
                         ("max concurrent", self.concurrency)):

@@ -3,7 +3,7 @@ sequences, max batched tokens, prefix caching. Apply emits the changed values; t
 shows what the engine applied (or the refusal and its reason), busy while the pool is rebuilt."""
 from __future__ import annotations
 
-from PySide6.QtCore import Signal
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
@@ -27,6 +27,7 @@ ROTATED_BY_DEFAULT = ("int8", "fp8")  # "auto" is "calibrated" for these (engine
 MIB = 1024 * 1024
 KEYS = ("block_size", "kv_dtype", "kv_rotation", "kv_anchor_tokens", "kv_cache_bytes",
         "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching")
+UNKNOWN = "—"  # shown until the engine's real settings arrive
 MAX_ANCHOR_TOKENS = 64  # engine/config.py MAX_KV_ANCHOR_TOKENS
 
 
@@ -76,7 +77,6 @@ class ControlsPanel(QWidget):
         form.addRow("block size (tokens)", self.block_size)
         form.addRow("KV dtype", self.kv_dtype)
         form.addRow("KV rotation", self.kv_rotation)
-        form.addRow("", self.rotation_note)
         form.addRow("KV exact first tokens", self.kv_anchors)
         form.addRow("KV memory budget", self.kv_budget)
         form.addRow("", self.budget_note)
@@ -103,11 +103,38 @@ class ControlsPanel(QWidget):
         layout = QVBoxLayout(self)
         layout.addLayout(form)
         layout.addLayout(buttons)
+        # Under Apply: a note that grows a line must never move the button under the mouse.
+        layout.addWidget(self.rotation_note)
         layout.addWidget(self.progress)
         layout.addWidget(self.result)
         layout.addStretch(1)
         self._show_rotation_note()
+        self.show_unknown()
+
+    def show_unknown(self) -> None:
+        """No engine settings known (connecting, dead): every field says "—", not a value
+        that looks real, and nothing can be applied."""
+        self.config = None
+        for combo in (self.block_size, self.kv_dtype, self.kv_rotation):
+            combo.setPlaceholderText(UNKNOWN)
+            combo.setCurrentIndex(-1)
+        for spin in (self.kv_anchors, self.kv_budget, self.max_seqs, self.max_batched):
+            if not spin.specialValueText():
+                spin.setMinimum(spin.minimum() - 1)  # one below the real range means "—"
+                spin.setSpecialValueText(UNKNOWN)
+            spin.setValue(spin.minimum())
+        self.prefix_caching.setTristate(True)
+        self.prefix_caching.setCheckState(Qt.CheckState.PartiallyChecked)
+        self.budget_note.setText("")
+        self.result.setText("")
         self.set_enabled(False)
+
+    def _show_known(self) -> None:
+        for spin in (self.kv_anchors, self.kv_budget, self.max_seqs, self.max_batched):
+            if spin.specialValueText():
+                spin.setSpecialValueText("")
+                spin.setMinimum(spin.minimum() + 1)
+        self.prefix_caching.setTristate(False)
 
     def set_enabled(self, enabled: bool) -> None:
         for w in (self.block_size, self.kv_dtype, self.kv_rotation, self.kv_anchors,
@@ -161,6 +188,7 @@ class ControlsPanel(QWidget):
     def show_config(self, config: EngineSettings) -> None:
         """Load the configuration in force into the widgets (at connect and after apply)."""
         self.config = config
+        self._show_known()
         self.block_size.setCurrentText(str(config.block_size))
         self.kv_dtype.setCurrentText(config.kv_dtype)
         self.kv_rotation.setCurrentText(config.kv_rotation)
@@ -199,6 +227,15 @@ class ControlsPanel(QWidget):
         self.result.setProperty("state", "ok")
         shown = {k: getattr(config, k) for k in KEYS}
         self.result.setText("Applied by the engine: " + _fmt(shown))
+        self._restyle()
+
+    def show_restarted(self, config: EngineSettings) -> None:
+        """A restarted engine's settings, as its hello reported them (not what was applied to
+        the engine before it)."""
+        self.show_config(config)
+        self.result.setProperty("state", "ok")
+        shown = {k: getattr(config, k) for k in KEYS}
+        self.result.setText("The restarted engine runs: " + _fmt(shown))
         self._restyle()
 
     def show_refused(self, reason: str) -> None:

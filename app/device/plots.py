@@ -12,6 +12,7 @@ import pyqtgraph as pg
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
+from kvscope.app.plots.axes import use_sparse_y_axis
 from kvscope.app.plots.series import Series
 from kvscope.app.plots.time_window import WINDOWS, nice_ceiling, x_range
 
@@ -52,6 +53,7 @@ class DevicePlots(QWidget):
             plot = self.layout_widget.addPlot(row=row, col=0)  # no grid: see batch_plots
             plot.setMenuEnabled(False)
             plot.hideButtons()
+            use_sparse_y_axis(plot)  # a small plot: labels that fit, not a blob
             plot.getAxis("left").setWidth(34)  # same width in both plots: their x lines up
             if first is None:
                 first = plot

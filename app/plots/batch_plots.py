@@ -12,17 +12,22 @@ from PySide6.QtWidgets import (
     QComboBox,
     QHBoxLayout,
     QLabel,
-    QSizePolicy,
     QVBoxLayout,
     QWidget,
 )
 
+from kvscope.app.plots.axes import use_sparse_y_axis
 from kvscope.app.plots.series import Series
 from kvscope.app.plots.time_window import WINDOWS, nice_ceiling, x_range
 
 PEN = {"prefill": "#f0a35e", "decode": "#5ec8f0", "budget": "#e06c75", "running": "#98c379",
        "waiting": "#e5c07b", "preempted": "#e06c75", "kv": "#c678dd", "prompt": "#f0a35e",
        "gen": "#5ec8f0", "ttft": "#e5c07b", "itl": "#56b6c2"}
+
+
+# Steps come back to back while the engine works; a longer silence is idle time, drawn as a
+# break in the line rather than a ramp from the last busy step to the next.
+STEP_GAP_S = 1.0
 
 
 class BatchPlots(QWidget):
@@ -46,8 +51,9 @@ class BatchPlots(QWidget):
         self.window.currentTextChanged.connect(self.set_window)
         self.summary = QLabel("")
         self.summary.setObjectName("plotSummary")
-        # Clip rather than widen: its longest text would otherwise set the window's least width.
-        self.summary.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        # Wrap on its own line under the title: clipped, it cut its numbers mid-glyph; kept on
+        # one line, its longest text would set the window's least width.
+        self.summary.setWordWrap(True)
         self.layout_widget = pg.GraphicsLayoutWidget()
         self.layout_widget.setBackground("#16181d")
         self.plots: dict[str, pg.PlotItem] = {}
@@ -65,6 +71,7 @@ class BatchPlots(QWidget):
             # repaint them. The lowest plot of each column shows the shared time axis.
             if i + 2 < len(specs):
                 plot.hideAxis("bottom")
+            use_sparse_y_axis(plot)  # small plots: labels that fit, not a blob
             plot.getAxis("left").setWidth(44)  # equal widths: the columns' x line up
             plot.disableAutoRange(axis="y")  # stepped instead: see _fit_y
             plot.setMenuEnabled(False)
@@ -90,12 +97,13 @@ class BatchPlots(QWidget):
         title = QLabel("Batch & memory")
         title.setObjectName("panelTitle")
         top.addWidget(title)
-        top.addWidget(self.summary, 1)
+        top.addStretch(1)
         top.addWidget(QLabel("window"))
         top.addWidget(self.window)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addLayout(top)
+        layout.addWidget(self.summary)
         layout.addWidget(self.layout_widget, 1)
 
     def _rel(self, t: float) -> float:
@@ -163,7 +171,7 @@ class BatchPlots(QWidget):
         s = self.steps
         t = s.times()
         for name in ("prefill", "decode", "budget", "running", "waiting"):
-            self._set(name, t, s.values(name))
+            self._set(name, t, s.values(name), max_gap=STEP_GAP_S)
         self._set("preempted", self.frames.times(), self.frames.values("preempted"))
         self._set("kv", self.kv.times(), self.kv.values("usage"))
         st = self.stats.times()
@@ -172,13 +180,16 @@ class BatchPlots(QWidget):
         if self.following:
             self._follow()
 
-    def _set(self, name: str, t: np.ndarray, v: np.ndarray) -> None:
-        """A curve's points, gaps (no value yet) left out; pyqtgraph's own finite check
-        is skipped since only finite points remain."""
-        ok = np.isfinite(v)
-        if not ok.all():
-            t, v = t[ok], v[ok]
-        self.curves[name].setData(t, v, skipFiniteCheck=True)
+    def _set(self, name: str, t: np.ndarray, v: np.ndarray,
+             max_gap: float | None = None) -> None:
+        """A curve's points, broken (not joined by a ramp) where a value is missing or, with
+        max_gap, where no sample came for longer than that."""
+        if max_gap is not None:
+            t, v = with_gaps(t, v, max_gap)
+        if np.isfinite(v).all():
+            self.curves[name].setData(t, v, skipFiniteCheck=True)
+        else:
+            self.curves[name].setData(t, v, connect="finite")
 
     def _follow(self) -> None:
         ends = [x.times()[-1] for x in (self.steps, self.kv, self.stats) if len(x)]
@@ -216,6 +227,18 @@ class BatchPlots(QWidget):
         self.t0, self.last_step, self._dirty = None, -1, True
         self._ranges.clear()
         self.refresh()
+
+
+def with_gaps(t: np.ndarray, v: np.ndarray, max_gap: float) -> tuple[np.ndarray, np.ndarray]:
+    """t and v with a NaN point inserted wherever consecutive samples are more than max_gap
+    seconds apart (the engine was idle: no steps), so the line breaks there."""
+    if len(t) < 2:
+        return t, v
+    idx = np.nonzero(np.diff(t) > max_gap)[0] + 1
+    if not len(idx):
+        return t, v
+    mid = (t[idx - 1] + t[idx]) / 2
+    return np.insert(t, idx, mid), np.insert(v, idx, np.nan)
 
 
 def _legend_title(title: str, names: list[str]) -> str:

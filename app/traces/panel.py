@@ -34,7 +34,7 @@ class TracePanel(QWidget):
     def __init__(self, bridge, engine_args=None, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.record = TraceRecordPanel(bridge)
-        self.replay = TraceReplayPanel(engine_args)
+        self.replay = TraceReplayPanel(engine_args, start_folder=self.record.traces_folder)
         record_box = QGroupBox("Record this session")
         QVBoxLayout(record_box).addWidget(self.record)
         replay_box = QGroupBox("Replay a trace")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pyqtgraph as pg
 from PySide6.QtWidgets import QVBoxLayout, QWidget
 
+from kvscope.app.plots.axes import use_sparse_y_axis
+
 COLORS = {"recorded": "#5ec8f0", "replay": "#f0a35e"}
 
 
@@ -18,6 +20,8 @@ class TraceOverlayPlot(QWidget):
         self.kv_plot = self.view.addPlot(row=1, col=0)
         self.kv_plot.setLabel("left", "KV usage (%)")
         self.kv_plot.setLabel("bottom", "time since start (s)")
+        for plot in (self.tokens_plot, self.kv_plot):
+            use_sparse_y_axis(plot)  # small plots in a narrow dock: labels that fit
         # Percent and seconds read better as plain numbers than with an "(x0.001)" SI factor.
         for plot in (self.tokens_plot, self.kv_plot):
             for side in ("left", "bottom"):

@@ -109,14 +109,26 @@ class TraceRecordPanel(QWidget):
         self.browse_button.setEnabled(not self.recording)
         self.no_prompts.setEnabled(not self.recording)
         if self.recording:
-            self.file_label.setText(f"recording to {self.path}")
+            self.file_label.setText(f"recording to {Path(self.path).name}")
+            self.file_label.setToolTip(self.path)  # a path has no spaces to wrap at
             self.size_timer.start()
         else:
             self.size_timer.stop()
-            self.file_label.setText(f"saved {self.path}" if self.path else "not recording")
+            self.file_label.setText(f"saved {Path(self.path).name}" if self.path
+                                    else "not recording")
+            self.file_label.setToolTip(self.path or "")
             self.path_edit.setText(default_trace_path(self.trace_dir))
         self.update_size()
         self.recordingChanged.emit(self.recording)
+
+    def traces_folder(self) -> str:
+        """Where recordings are saved: the last one's folder, else the engine's trace folder,
+        else the folder the path field proposes."""
+        if self.path:
+            return str(Path(self.path).parent)
+        if self.trace_dir:
+            return self.trace_dir
+        return str(Path(self.path_edit.text() or default_trace_path()).parent)
 
     def on_hello(self, hello) -> None:
         """Propose a file in the engine's trace folder, unless the user typed a path."""

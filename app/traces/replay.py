@@ -7,10 +7,11 @@ import sys
 import time
 from pathlib import Path
 
-from PySide6.QtCore import QProcess, Signal
+from PySide6.QtCore import QProcess, Qt, Signal
 from PySide6.QtWidgets import (
     QFileDialog,
-    QHBoxLayout,
+    QGridLayout,
+    QHeaderView,
     QLabel,
     QProgressBar,
     QPushButton,
@@ -34,6 +35,18 @@ COMPARE_KEYS = ("duration_s", "throughput_tok_s", "steps", "ttft_p50_ms", "ttft_
 
 def trace_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvscope", "trace", *args]
+
+
+def export_paths(json_path: str) -> tuple[str, str]:
+    """The Perfetto JSON the user chose and the CSV written beside it (same stem)."""
+    path = Path(json_path)
+    if path.suffix.lower() != ".json":
+        path = path.with_name(path.name + ".json")
+    return str(path), str(path.with_suffix(".csv"))
+
+
+def default_export_path(trace: str) -> str:
+    return str(Path(trace).with_suffix(".perfetto.json"))
 
 
 def replay_output_path(trace: str) -> str:
@@ -66,10 +79,15 @@ class TraceReplayPanel(QWidget):
     settings as CLI flags); the trace's own model is used when they name none."""
 
     finished = Signal(bool)  # replay + compare done (True) or failed (False)
+    exported = Signal(bool)  # `kvscope trace export` wrote the files (True) or failed
 
-    def __init__(self, engine_args=None, parent: QWidget | None = None) -> None:
+    def __init__(self, engine_args=None, parent: QWidget | None = None,
+                 start_folder=None) -> None:
         super().__init__(parent)
         self.engine_args = engine_args or list
+        # Where "Open trace…" starts: the folder recordings are saved in (a callable).
+        self.start_folder = start_folder or (lambda: str(Path.home()))
+        self.export_outputs: tuple[str, str] | None = None
         self.trace: str | None = None
         self.replay_path: str | None = None
         self.recorded = None
@@ -88,6 +106,11 @@ class TraceReplayPanel(QWidget):
         self.cancel_button = QPushButton("Cancel")
         self.cancel_button.setEnabled(False)
         self.cancel_button.clicked.connect(self.cancel)
+        self.export_button = QPushButton("Export…")
+        self.export_button.setObjectName("traceExportButton")
+        self.export_button.setToolTip("Perfetto JSON (ui.perfetto.dev) and a CSV beside it")
+        self.export_button.setEnabled(False)
+        self.export_button.clicked.connect(self.export)
         self.trace_label = QLabel("no trace open")
         self.trace_label.setWordWrap(True)
         self.progress = QProgressBar()
@@ -100,12 +123,20 @@ class TraceReplayPanel(QWidget):
         self.status.setWordWrap(True)
         self.plot = TraceOverlayPlot()
         self.table = QTableWidget(0, 4)
-        self.table.setHorizontalHeaderLabels(["", "recorded", "replay", "replay / recorded"])
+        self.table.setHorizontalHeaderLabels(["", "recorded", "replay", "ratio"])
         self.table.verticalHeader().hide()
-        buttons = QHBoxLayout()
-        buttons.addWidget(self.open_button)
-        buttons.addWidget(self.replay_button)
-        buttons.addWidget(self.cancel_button)
+        self.table.setWordWrap(False)
+        self.table.setTextElideMode(Qt.TextElideMode.ElideMiddle)
+        # Columns share the dock's width (eliding) instead of widening the panel sideways.
+        self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
+        self.table.horizontalHeader().setMinimumSectionSize(40)
+        self.table.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.table.setMinimumWidth(0)
+        buttons = QGridLayout()  # two by two: fits a narrow dock
+        buttons.addWidget(self.open_button, 0, 0)
+        buttons.addWidget(self.export_button, 0, 1)
+        buttons.addWidget(self.replay_button, 1, 0)
+        buttons.addWidget(self.cancel_button, 1, 1)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addLayout(buttons)
@@ -121,7 +152,7 @@ class TraceReplayPanel(QWidget):
 
     # -- opening --------------------------------------------------------------------------
     def browse(self) -> None:
-        path, _ = QFileDialog.getOpenFileName(self, "Open trace", str(Path.home()),
+        path, _ = QFileDialog.getOpenFileName(self, "Open trace", self.start_folder(),
                                               "kvscope traces (*.jsonl);;All files (*)")
         if path:
             self.open_trace(path)
@@ -139,13 +170,49 @@ class TraceReplayPanel(QWidget):
         self.table.setRowCount(0)
         h = series.header
         note = f" (line {series.cut_line} cut off at the end)" if series.truncated else ""
+        self.trace_label.setToolTip(path)  # a path has no spaces to wrap at: the name only
         self.trace_label.setText(
-            f"{path}{note}\n{h.model} · block {h.block_size} · KV "
+            f"{Path(path).name}{note}\n{h.model} · block {h.block_size} · KV "
             f"{h.kv_dtype}{ROTATION_SUFFIX.get(h.kv_rotation, '')}"
             f" · {len(series.t)} steps")
         self.replay_button.setEnabled(not self.busy)
+        self.export_button.setEnabled(not self.busy)
         self.status.setText("")
         return True
+
+    # -- export -------------------------------------------------------------------------
+    def export(self) -> None:
+        """Ask where to write the Perfetto JSON (the CSV goes beside it), then export."""
+        if self.trace is None or self.busy:
+            return
+        path, _ = QFileDialog.getSaveFileName(self, "Export trace (Perfetto JSON + CSV)",
+                                              default_export_path(self.trace),
+                                              "Perfetto JSON (*.json)")
+        if path:
+            self.export_to(path)
+
+    def export_to(self, json_path: str) -> None:
+        """`kvscope trace export` in a QProcess (the app never imports the engine)."""
+        if self.trace is None or self.busy:
+            return
+        self.export_outputs = export_paths(json_path)
+        out_json, out_csv = self.export_outputs
+        self._start("export", trace_command("export", self.trace, "-o", out_json,
+                                            "--csv", out_csv))
+        self.status.setText("exporting…")
+
+    def on_exported(self, code: int) -> None:
+        self._set_busy(False)
+        if code != 0 or self.export_outputs is None:
+            tail = "\n".join(self._err.decode(errors="replace").strip().splitlines()[-4:])
+            self.status.setText(f"export failed (exit code {code})" + (f":\n{tail}" if tail
+                                                                      else ""))
+            self.exported.emit(False)
+            return
+        out_json, out_csv = self.export_outputs
+        self.status.setText(f"exported {Path(out_json).name} and {Path(out_csv).name}")
+        self.status.setToolTip(f"{out_json}\n{out_csv}")
+        self.exported.emit(True)
 
     # -- replay and compare -------------------------------------------------------------
     def replay(self) -> None:
@@ -183,6 +250,9 @@ class TraceReplayPanel(QWidget):
         proc, self.proc = self.proc, None
         if proc is not None:
             proc.deleteLater()
+        if self._stage == "export":
+            self.on_exported(code)
+            return
         result = _last_json(self._out) if code == 0 else None
         if result is None:
             tail = "\n".join(self._err.decode(errors="replace").strip().splitlines()[-4:])
@@ -196,7 +266,13 @@ class TraceReplayPanel(QWidget):
     def _error(self, error) -> None:
         if error == QProcess.ProcessError.FailedToStart and self.proc is not None:
             proc, self.proc = self.proc, None
-            self._fail(f"could not start {self._stage}: {proc.errorString()}")
+            message = f"could not start {self._stage}: {proc.errorString()}"
+            if self._stage == "export":
+                self._set_busy(False)
+                self.status.setText(message)
+                self.exported.emit(False)
+            else:
+                self._fail(message)
             proc.deleteLater()
 
     def on_replayed(self, summary: dict) -> None:
@@ -214,7 +290,8 @@ class TraceReplayPanel(QWidget):
             f"replayed {summary.get('requests')} requests in {_fmt(summary.get('duration_s'))} s"
             f" ({summary.get('steps')} steps, {_fmt(summary.get('throughput_tok_s'))} tok/s); "
             f"{outputs}" + (f"; {len(rejected)} rejected" if rejected else "")
-            + f"\n→ {self.replay_path}")
+            + f"\n→ {Path(self.replay_path).name}")
+        self.status.setToolTip(self.replay_path)
         self._start("compare", trace_command("compare", self.trace, self.replay_path, "--json"))
 
     def on_compared(self, result: dict) -> None:
@@ -227,8 +304,9 @@ class TraceReplayPanel(QWidget):
             r = ratio.get(key)
             for col, text in enumerate((key, _fmt(a.get(key)), _fmt(b.get(key)),
                                         "—" if r is None else f"{r:.3g}×")):
-                self.table.setItem(row, col, QTableWidgetItem(text))
-        self.table.resizeColumnsToContents()
+                item = QTableWidgetItem(text)
+                item.setToolTip(text)  # the stretched columns may elide it
+                self.table.setItem(row, col, item)
         self.finished.emit(True)
 
     def _fail(self, message: str) -> None:
@@ -241,6 +319,7 @@ class TraceReplayPanel(QWidget):
         self.cancel_button.setEnabled(busy)
         self.open_button.setEnabled(not busy)
         self.replay_button.setEnabled(not busy and self.trace is not None)
+        self.export_button.setEnabled(not busy and self.trace is not None)
 
     def cancel(self) -> None:
         if self.stop():

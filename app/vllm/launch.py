@@ -32,8 +32,7 @@ def run(args: argparse.Namespace, app) -> int:
         return 2
     window = VllmWindow(VllmTarget(url, args.kv_events, args.kv_events_replay,
                                    args.kv_events_topic))
-    w, _, h = args.size.partition("x")
-    window.resize(int(w), int(h))
+    window.resize(*(args.size or (1600, 960)))  # --size is (width, height): app.main
     status = {"code": 0}
     if args.screenshot:
         def shoot() -> None:

@@ -179,6 +179,17 @@ def test_window_with_real_engine(qtbot, tmp_path):
         window.engine.kill()
         qtbot.waitUntil(lambda: window.status.state == "dead", timeout=10_000)
         assert not window.status.restart_button.isHidden()
+        qtbot.wait(2500)  # a heartbeat timeout later the real reason is still the one shown
+        assert "killed by SIGKILL" in window.status.engine_label.text()
+        assert not window.chat.send_button.isEnabled()
+
+        # Restart brings the settings last applied back (issue 23, item 5), and says so.
+        window.restart_engine()
+        qtbot.waitUntil(lambda: window.controls.config is not None, timeout=120_000)
+        assert window.controls.config.block_size == 8
+        assert window.controls.config.kv_dtype == "int8"
+        assert "restarted engine runs" in window.controls.result.text()
+        assert window.chat.send_button.isEnabled()
     finally:
         window.shutdown()
     assert not window.engine.running

@@ -166,6 +166,7 @@ def test_table_rows_group_dtypes_of_equal_size():
 def test_panel_shows_what_fits_from_a_device_frame(qtbot, preset):
     panel = KVCalculatorPanel()
     qtbot.addWidget(panel)
+    panel.running_shape = SHAPES[preset]  # the preset is the model the engine runs
     choose(panel, preset)
     shape = SHAPES[preset]
     panel.fits.set_device(device_frame())
@@ -202,6 +203,7 @@ def test_panel_shows_what_fits_from_a_device_frame(qtbot, preset):
 def test_engine_setting_highlighted_and_line_follows_the_picked_cell(qtbot):
     panel = KVCalculatorPanel()
     qtbot.addWidget(panel)
+    panel.running_shape = SHAPES["Llama-3.1-8B"]  # the preset is the model that runs
     choose(panel, "Llama-3.1-8B")
     panel.fits.set_device(device_frame())
     panel.set_engine_kv(131072, "bfloat16")
@@ -242,6 +244,7 @@ def test_engine_setting_highlighted_and_line_follows_the_picked_cell(qtbot):
 def test_manual_amount_wins_over_device_frames(qtbot):
     panel = KVCalculatorPanel()
     qtbot.addWidget(panel)
+    panel.running_shape = SHAPES["Qwen2-7B"]  # the preset is the model that runs
     choose(panel, "Qwen2-7B")
     qwen = SHAPES["Qwen2-7B"]
     panel.fits.set_device(device_frame())
@@ -306,6 +309,7 @@ def test_device_frames_do_not_steal_focus_or_rebuild(qtbot):
 def test_calculator_fits_the_narrow_side_dock(qtbot):
     panel = KVCalculatorPanel()
     qtbot.addWidget(panel)
+    panel.running_shape = SHAPES["Llama-3.1-70B"]  # the preset is the model that runs
     choose(panel, "Llama-3.1-70B")
     panel.fits.set_device(device_frame())
     panel.set_engine_kv(327680, "bfloat16")
@@ -321,3 +325,26 @@ def test_calculator_fits_the_narrow_side_dock(qtbot):
         for c in range(len(kv_math.FIT_BLOCK_SIZES)):
             assert metrics.horizontalAdvance(table.item(r, c).text()) < table.columnWidth(c)
     panel.close()
+
+
+def test_another_model_swaps_in_its_own_weights_and_drops_the_smollm2_note(qtbot):
+    panel = KVCalculatorPanel()
+    qtbot.addWidget(panel)
+    panel.set_running_model("default")  # the embedded SmolLM2 runs, its weights loaded
+    panel.fits.set_device(device_frame(weights_gib=0.25))
+    choose(panel, "SmolLM2-135M (embedded)")
+    panel.dtype.setCurrentText("int8")
+    running_avail = int(59.5 * GiB)  # 61.5 free + 2 KV pool - 5 % of 80
+    assert panel.fits.available()[0] == running_avail
+    assert "SmolLM2" in panel.accuracy.text() and "int8" in panel.accuracy.text()
+    choose(panel, "Qwen2-7B")
+    qwen_weights = int(7.62e9 * 2)  # 7.62 B parameters in bf16
+    want = running_avail + int(0.25 * GiB) - qwen_weights
+    assert panel.fits.available()[0] == want
+    assert "Qwen2-7B weights" in panel.fits.memory.text()
+    blocks, tokens = ref_tokens(want, SHAPES["Qwen2-7B"], "bfloat16", 16)
+    col = kv_math.FIT_BLOCK_SIZES.index(16)
+    assert cell_numbers(panel, row_of("bfloat16"), col)[:2] == (tokens, blocks)
+    note = panel.accuracy.text()
+    assert "measured on SmolLM2-135M-Instruct only" in note and "Qwen2-7B" in note
+    assert "% of a greedy reply" not in note  # no SmolLM2 number presented as Qwen2's

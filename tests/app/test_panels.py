@@ -6,6 +6,8 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 import json
 import sys
 
+import numpy as np
+import pytest
 from PySide6.QtCore import QSettings
 from PySide6.QtWidgets import QWidget
 
@@ -188,3 +190,101 @@ def test_kv_calculator_hints_come_from_the_measured_table(qtbot):
             assert "the default" in panel.accuracy.text()
     panel.dtype.setCurrentText("float32")
     assert "reference" in panel.accuracy.text()
+
+
+@pytest.mark.parametrize("which", ["load", "trace", "calculator"])
+def test_controls_panels_fit_the_narrowest_dock_without_sideways_scrolling(qtbot, which):
+    from kvscope.app.bridge import EngineBridge
+    from kvscope.app.calculator.panel import KVCalculatorPanel
+    from kvscope.app.controls.load_generator import LoadGenerator, LoadGeneratorPanel
+    from kvscope.app.main_window import SIDE_MIN_WIDTH, scrollable
+    from kvscope.app.traces.panel import TracePanel
+
+    bridge = EngineBridge()
+    panel = {"load": lambda: LoadGeneratorPanel(LoadGenerator()),
+             "trace": lambda: TracePanel(bridge),
+             "calculator": KVCalculatorPanel}[which]()
+    area = scrollable(panel)
+    qtbot.addWidget(area)
+    try:
+        area.resize(SIDE_MIN_WIDTH - 14, 900)  # the dock's narrowest content, less its frame
+        area.show()
+        qtbot.waitExposed(area)
+        assert panel.minimumSizeHint().width() <= area.viewport().width()
+        assert not area.horizontalScrollBar().isVisible()
+        qtbot.waitUntil(lambda: panel.width() <= area.viewport().width(), timeout=2000)
+    finally:
+        if which == "trace":
+            panel.stop()
+        area.close()
+        bridge.close()
+
+
+def test_requests_plot_breaks_across_idle_gaps_instead_of_ramping(qtbot):
+    import numpy as np
+
+    plots = BatchPlots()
+    qtbot.addWidget(plots)
+    t = 1000.0
+    busy = [t + 0.05 * i for i in range(10)] + [t + 30 + 0.05 * i for i in range(10)]
+    for i, when in enumerate(busy, 1):  # two bursts of steps, 30 s of idle between
+        plots.show_step(step_frame(i, when, prefill=8, decode=2))
+    plots.refresh()
+    x, y = plots.curves["running"].getData()
+    assert np.isnan(y).sum() == 1  # one break, in the idle gap
+    gap = int(np.flatnonzero(np.isnan(y))[0])
+    assert x[gap - 1] < x[gap] < x[gap + 1] and x[gap + 1] - x[gap - 1] > 29
+    assert plots.curves["running"].opts["connect"] == "finite"
+    # busy stretches stay whole
+    plots.steps.clear()
+    for i, when in enumerate(busy[:10], 100):
+        plots.show_step(step_frame(i, when))
+    plots.refresh()
+    assert not np.isnan(plots.curves["running"].getData()[1]).any()
+
+
+@pytest.mark.parametrize("which", ["batch", "device", "trace"])
+def test_small_plots_label_only_the_ticks_that_fit(qtbot, which):
+    from PySide6.QtGui import QFontMetrics
+
+    from kvscope.app.device.plots import DevicePlots
+    from kvscope.app.traces.plot import TraceOverlayPlot
+
+    widget = {"batch": BatchPlots, "device": DevicePlots, "trace": TraceOverlayPlot}[which]()
+    qtbot.addWidget(widget)
+    widget.resize(600, 400)
+    widget.show()
+    qtbot.waitExposed(widget)
+    plot_items = (list(widget.plots.values()) if hasattr(widget, "plots")
+                  else [widget.tokens_plot, widget.kv_plot])
+    for plot in plot_items:
+        plot.setYRange(0, 12345, padding=0)
+        axis = plot.getAxis("left")
+        size = axis.height()
+        assert size > 0
+        levels = axis.tickValues(0, 12345, size)
+        values = [v for _, vs in levels for v in vs if 0 <= v <= 12345]
+        label_px = QFontMetrics(axis.style["tickFont"]).height()
+        assert len(values) >= 2
+        gaps = np.diff(sorted(values)) * size / 12345
+        assert gaps.min() >= label_px, (which, size, values)  # no label over another
+
+
+def test_batch_header_keeps_its_title_and_wraps_the_summary_when_narrow(qtbot):
+    from PySide6.QtWidgets import QLabel
+
+    plots = BatchPlots()
+    qtbot.addWidget(plots)
+    plots.show_stats(stats_frame(t=1.0))
+    plots.refresh()
+    plots.resize(420, 300)
+    plots.show()
+    qtbot.waitExposed(plots)
+    title = next(lb for lb in plots.findChildren(QLabel) if lb.text() == "Batch & memory")
+    assert title.width() >= title.sizeHint().width()
+    summary = plots.summary
+    assert summary.fontMetrics().horizontalAdvance(summary.text()) > summary.width()  # long
+    need = summary.heightForWidth(summary.width())
+    assert need > summary.fontMetrics().height()  # it takes a second line: it wraps
+    qtbot.waitUntil(lambda: summary.height() >= need)
+    assert summary.geometry().right() <= plots.width()  # wrapped inside, not clipped

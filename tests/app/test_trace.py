@@ -102,7 +102,8 @@ def test_record_button_toggles_and_shows_the_growing_size(qtbot, tmp_path):
         panel.record_button.click()
         qtbot.waitUntil(lambda: panel.recording, timeout=5000)
         assert client.calls == [("start", str(path), False)]
-        assert "Stop" in panel.record_button.text() and str(path) in panel.file_label.text()
+        assert "Stop" in panel.record_button.text() and path.name in panel.file_label.text()
+        assert panel.file_label.toolTip() == str(path)
         assert panel.size_bytes == 16 and panel.size_timer.isActive()
         with path.open("ab") as f:
             f.write(b"x" * 5000 + b"\n")
@@ -253,3 +254,72 @@ def test_replay_args_carry_the_kv_rotation():
     args = engine_args_from(values, {"model": "m"})
     assert args[args.index("--kv-rotation") + 1] == "none"
     assert "--kv-rotation" not in engine_args_from({**values, "kv_rotation": ""}, {})
+
+
+def test_export_writes_perfetto_json_and_csv_through_the_cli(qtbot, tmp_path, monkeypatch):
+    import json
+
+    from PySide6.QtWidgets import QFileDialog
+
+    from tests.traces import synthetic
+
+    trace = synthetic.write(tmp_path / "synthetic.jsonl")
+    panel = TraceReplayPanel()
+    qtbot.addWidget(panel)
+    assert not panel.export_button.isEnabled()  # nothing open yet
+    assert panel.open_trace(str(trace)) and panel.export_button.isEnabled()
+    asked = {}
+
+    def save_dialog(_parent, _title, start, _filter):
+        asked["start"] = start
+        return str(tmp_path / "out" / "session"), "Perfetto JSON (*.json)"
+
+    (tmp_path / "out").mkdir()
+    monkeypatch.setattr(QFileDialog, "getSaveFileName", save_dialog)
+    with qtbot.waitSignal(panel.exported, timeout=60000) as done:
+        panel.export()
+    assert done.args == [True], panel.status.text()
+    assert asked["start"] == str(tmp_path / "synthetic.perfetto.json")
+    events = json.loads((tmp_path / "out" / "session.json").read_text())
+    assert events["traceEvents"] if isinstance(events, dict) else events
+    csv_lines = (tmp_path / "out" / "session.csv").read_text().splitlines()
+    assert len(csv_lines) > 1  # a header and the steps
+    assert "exported session.json and session.csv" in panel.status.text()
+    assert panel.export_button.isEnabled() and panel.open_button.isEnabled()
+
+
+def test_export_failure_is_shown(qtbot, tmp_path):
+    from tests.traces import synthetic
+
+    trace = synthetic.write(tmp_path / "synthetic.jsonl")
+    panel = TraceReplayPanel()
+    qtbot.addWidget(panel)
+    assert panel.open_trace(str(trace))
+    with qtbot.waitSignal(panel.exported, timeout=60000) as done:
+        panel.export_to(str(tmp_path / "no-such-folder" / "x.json"))
+    assert done.args == [False]
+    assert "export failed" in panel.status.text()
+
+
+def test_open_trace_starts_in_the_folder_recordings_are_saved_in(qtbot, tmp_path, monkeypatch):
+    from PySide6.QtWidgets import QFileDialog
+
+    from kvscope.app.traces.panel import TracePanel
+
+    bridge = EngineBridge()
+    panel = TracePanel(bridge)
+    qtbot.addWidget(panel)
+    try:
+        panel.record.trace_dir = str(tmp_path / "traces")  # as the engine's hello names it
+        started = []
+        monkeypatch.setattr(QFileDialog, "getOpenFileName",
+                            lambda _p, _t, folder, _f: (started.append(folder), ("", ""))[1])
+        panel.replay.browse()
+        assert started == [str(tmp_path / "traces")]
+        panel.record.path = str(tmp_path / "saved" / "kvscope-1.jsonl")  # a recording, saved
+        panel.replay.browse()
+        assert started[-1] == str(tmp_path / "saved")
+    finally:
+        panel.stop()
+        panel.close()
+        bridge.close()

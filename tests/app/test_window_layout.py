@@ -5,10 +5,17 @@ import os
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 import pytest
-from PySide6.QtCore import QSettings
+from PySide6.QtCore import QRect, QSettings
 
-from kvscope.app.main import STYLE
-from kvscope.app.main_window import MainWindow, shown
+from kvscope.app.main import STYLE, build_parser, on_screen_size
+from kvscope.app.main_window import (
+    THREE_COLUMNS_FROM,
+    TWO_COLUMNS_BELOW,
+    MainWindow,
+    arrangement_for,
+    default_size,
+    shown,
+)
 from kvscope.testing.frames import blocks_frame
 
 SIZES = [(1366, 768), (1600, 900), (1920, 1080)]
@@ -81,3 +88,95 @@ def test_controls_get_their_own_column_on_a_wide_window(window_at):
     narrow = window_at(1366, 768)
     assert shown(narrow.chat) and not shown(narrow.side_dock)  # a tab behind the chat
     assert narrow.tabifiedDockWidgets(narrow.chat_dock) == [narrow.side_dock]
+
+
+class FakeScreen:
+    """A screen of a given free area, for default_size and --size."""
+
+    def __init__(self, width: int, height: int) -> None:
+        self.free = QRect(0, 0, width, height)
+
+    def availableGeometry(self) -> QRect:
+        return self.free
+
+
+@pytest.mark.parametrize("screen", [(1280, 720), (1366, 768), (1920, 1080), (2560, 1440)])
+def test_the_window_never_opens_larger_than_the_screen(screen):
+    width, height = default_size(FakeScreen(*screen))
+    assert width <= screen[0] and height <= screen[1]
+    assert width >= min(screen[0], 1920) * 0.9  # still most of what the screen offers
+
+
+def test_size_alone_is_cut_to_the_screen():
+    args = build_parser().parse_args(["--size", "1600x900"])
+    assert args.size == (1600, 900)
+    assert on_screen_size(args.size, FakeScreen(1280, 720)) == (1280, 720)
+    assert on_screen_size((800, 600), FakeScreen(1280, 720)) == (800, 600)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--size", "big"])
+
+
+def test_arrangement_has_hysteresis():
+    assert arrangement_for(1920, None) == "three" and arrangement_for(1366, None) == "two"
+    assert arrangement_for(THREE_COLUMNS_FROM - 1, "two") == "two"
+    assert arrangement_for(THREE_COLUMNS_FROM, "two") == "three"
+    assert arrangement_for(TWO_COLUMNS_BELOW, "three") == "three"
+    assert arrangement_for(TWO_COLUMNS_BELOW - 1, "three") == "two"
+
+
+def test_the_arrangement_follows_a_resize(window_at, qapp):
+    w = window_at(1920, 1080)
+    assert w.arrangement == "three"
+    for width in (1700, 1366):  # as a window edge is dragged: through the threshold
+        w.resize(width, 768)
+        qapp.processEvents()
+    assert w.arrangement == "two" and w.current_arrangement() == "two"
+    assert w.width() == 1366  # the narrower arrangement fits: nothing widened the window
+    w.resize(1920, 1080)
+    qapp.processEvents()
+    assert w.current_arrangement() == "three"
+    assert w.side_dock.width() >= w.side_dock.minimumWidth()
+
+
+def test_a_saved_layout_that_does_not_fit_the_screen_is_discarded(qtbot, qapp, tmp_path):
+    ini = str(tmp_path / "s.ini")
+    first = MainWindow(attach="tcp://127.0.0.1:9",
+                       settings=QSettings(ini, QSettings.Format.IniFormat))
+    qtbot.addWidget(first)
+    first.show()
+    first.shutdown()  # saves the layout for this screen
+    saved = QSettings(ini, QSettings.Format.IniFormat)
+    assert saved.value("window/state") is not None
+    saved.setValue("window/screen", "2560x1440")  # as if saved on a larger screen
+    saved.sync()
+    again = MainWindow(attach="tcp://127.0.0.1:9",
+                       settings=QSettings(ini, QSettings.Format.IniFormat))
+    qtbot.addWidget(again)
+    assert again.needs_default_layout
+    assert QSettings(ini, QSettings.Format.IniFormat).value("window/state") is None
+    again.shutdown()
+
+
+def test_long_status_text_does_not_widen_the_window(window_at, qapp):
+    w = window_at(1366, 768)
+    w.status.mark_dead("the engine at tcp://127.0.0.1:5599 stopped answering; " * 12)
+    qapp.processEvents()
+    assert w.width() == 1366
+    assert w.minimumSizeHint().width() <= 1280
+    label = w.status.engine_label
+    assert label.elided_text().endswith("…") and label.toolTip().startswith("engine is dead")
+
+
+def test_reset_layout_is_in_the_view_menu(window_at, qapp):
+    w = window_at(1920, 1080)
+    w.side_dock.setFloating(True)
+    menus = {a.text().replace("&", ""): a.menu() for a in w.menuBar().actions()}
+    actions = [a.text().replace("&", "") for a in menus["View"].actions()]
+    assert "Reset layout" in actions
+    w.reset_layout_action.trigger()
+    qapp.processEvents()
+    assert not w.side_dock.isFloating()
+    # the first start's size for this screen (offscreen's is 800 px: the window's least width)
+    free = w.screen().availableGeometry()
+    assert w.width() <= max(free.width(), w.minimumSizeHint().width()) < 1280
+    assert w.arrangement == arrangement_for(w.width(), None) == w.current_arrangement()
