@@ -157,12 +157,9 @@ def _lost(client) -> int:
 
 
 def death_kind(client) -> str:
-    """Why a client gave up, from what it recorded: "refused" (a handshake failed: CURVE keys
-    or the key was refused), "stopped" (it was heard, then went silent) or "unreachable"
-    (nothing ever answered and no handshake was refused)."""
-    if getattr(client, "_refusal", None):
-        return "refused"
-    return "stopped" if getattr(client, "_heard", False) else "unreachable"
+    """EngineClient.death_kind; a source that does not record it (a test double, another
+    engine's adapter) says "unreachable"."""
+    return getattr(client, "death_kind", "unreachable")
 
 
 DEATH_PREFIX = {"refused": "key refused", "stopped": "engine stopped answering",

@@ -173,6 +173,15 @@ class EngineClient:
     def dead_reason(self) -> str | None:
         return self._dead_reason
 
+    @property
+    def death_kind(self) -> str:
+        """Why the client gives up, from what it recorded: "refused" (a handshake failed:
+        CURVE keys, or the key was refused), "stopped" (the engine was heard, then went
+        silent) or "unreachable" (nothing ever answered and no handshake was refused)."""
+        if self._refusal:
+            return "refused"
+        return "stopped" if self._heard else "unreachable"
+
     def _check_alive(self) -> None:
         if self._closed:
             raise RuntimeError("the client is closed")

@@ -11,6 +11,7 @@ from PySide6.QtCore import QProcess, QSettings
 from kvscope.app.bridge import death_kind, death_message
 from kvscope.app.engine_process import exit_text
 from kvscope.app.main_window import MainWindow
+from kvscope.ipc import EngineClient
 from kvscope.ipc import messages as m
 from kvscope.testing.frames import engine_settings
 
@@ -120,6 +121,9 @@ def test_the_status_bar_says_attached_or_local_and_reconnect(qtbot, tmp_path):
 
 
 class Client:
+    """What the bridge reads of an EngineClient; death_kind is the real client's own rule."""
+    death_kind = EngineClient.death_kind
+
     def __init__(self, heard: bool, refusal: str | None, keys=None):
         self._heard, self._refusal, self.keys = heard, refusal, keys
         self.dead_reason = "not authorized or not reachable: ... `kvscope keys allow`"
