@@ -13,6 +13,7 @@ from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
 from kvscope.app.plots.axes import use_sparse_y_axis
+from kvscope.app.plots.plot_title import use_wrapping_title
 from kvscope.app.plots.series import Series
 from kvscope.app.plots.time_window import WINDOWS, nice_ceiling, x_range
 
@@ -51,6 +52,7 @@ class DevicePlots(QWidget):
         first = None
         for row, (key, _title, curves) in enumerate(SPECS):
             plot = self.layout_widget.addPlot(row=row, col=0)  # no grid: see batch_plots
+            use_wrapping_title(plot)  # its legend may be wider than a small window's panel
             plot.setMenuEnabled(False)
             plot.hideButtons()
             use_sparse_y_axis(plot)  # a small plot: labels that fit, not a blob

@@ -17,6 +17,7 @@ from PySide6.QtWidgets import (
 )
 
 from kvscope.app.plots.axes import use_sparse_y_axis
+from kvscope.app.plots.plot_title import use_wrapping_title
 from kvscope.app.plots.series import Series
 from kvscope.app.plots.time_window import WINDOWS, nice_ceiling, x_range
 
@@ -66,6 +67,7 @@ class BatchPlots(QWidget):
         first = None
         for i, (key, title, curves) in enumerate(specs):
             plot = self.layout_widget.addPlot(row=i // 2, col=i % 2)
+            use_wrapping_title(plot)  # a legend title must not widen a small window's grid
             plot.setTitle(_legend_title(title, curves), size="8pt", color="#9aa0aa")
             # No grid: pyqtgraph draws it as part of the axes, so every curve update would
             # repaint them. The lowest plot of each column shows the shared time axis.

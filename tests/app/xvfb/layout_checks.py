@@ -31,6 +31,21 @@ def clipped_labels(root: QWidget) -> list[str]:
     return out
 
 
+def plots_cut(layout_widget) -> list[str]:
+    """Plots of a pyqtgraph grid that reach past the widget showing them (a grid wider than its
+    area: its right column, titles and x axis cut off)."""
+    view = layout_widget.rect()
+    out = []
+    for item in layout_widget.ci.items:
+        rect = layout_widget.mapFromScene(item.sceneBoundingRect()).boundingRect()
+        if not shown(layout_widget):
+            continue
+        if rect.right() > view.right() + 1 or rect.bottom() > view.bottom() + 1:
+            title = item.titleLabel.text if hasattr(item, "titleLabel") else type(item).__name__
+            out.append(f"plot {title[:30]!r} at {rect} reaches past its area {view}")
+    return out
+
+
 def layout_problems(window: MainWindow, screen: QRect) -> list[str]:
     """Everything a person would see as cut, hidden or off-screen, as sentences."""
     problems = []
@@ -51,4 +66,6 @@ def layout_problems(window: MainWindow, screen: QRect) -> list[str]:
         problems.append(f"the block map has only {window.block_map.width()} of "
                         f"{window.width()} px")
     problems += [f"clipped label {c}" for c in clipped_labels(window.status)]
+    problems += plots_cut(window.plots.layout_widget)
+    problems += plots_cut(window.device_panel.plots.layout_widget)
     return problems
