@@ -87,3 +87,15 @@ def test_the_link_check_catches_a_missing_file_and_a_missing_heading(tmp_path: P
                     "```\n[fenced](skipped.md)\n```\n")
     assert broken_links(page, root=tmp_path) == ["page.md: missing.md (no such file)",
                                                  "page.md: there.md#nope (no such heading)"]
+
+
+def test_the_readme_installs_every_package_the_preflight_can_ask_for():
+    """A desktop user's first step (issue 23, item 1): the README's apt-get line names every
+    Debian package the xcb preflight (app/preflight.py) may report missing, and .ci/run
+    installs them too."""
+    from kvscope.app.preflight import DEBIAN_PACKAGES
+
+    readme, ci = README.read_text(), (ROOT / ".ci" / "run").read_text()
+    missing = {p for p in DEBIAN_PACKAGES.values() if p not in readme}
+    assert not missing, f"README's apt-get line lacks {sorted(missing)}"
+    assert not {p for p in DEBIAN_PACKAGES.values() if p not in ci}, ".ci/run lacks some"
