@@ -4,21 +4,38 @@ called once per layer for every decode row of the step.
 Why native code: the torch path gathers each sequence's blocks into a padded copy, converts
 it to float32 and runs SDPA over it, three passes and a dozen ops per layer; the kernel reads
 every cached K and V row once, through the block table, with no copies and no padding.
-Prefill chunks take the torch reference.
+Prefill chunks take the torch reference. With a sliding window each row's loop starts at
+its window (the blocks before it are never read); soft-capping bends the scores before the
+softmax.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from kvscope.kernels import native
 from kvscope.kernels.anchors import Anchors
-from kvscope.kernels.attention_ref import AttentionMetadata, LayerPool, paged_attention_ref
+from kvscope.kernels.attention_ref import (
+    AttentionMetadata,
+    LayerPool,
+    check_window_softcap,
+    paged_attention_ref,
+)
 
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3,
          torch.float8_e4m3fn: 4}
 IO_DTYPES = (torch.float32, torch.bfloat16)  # query/output rows the kernel reads and writes
 # (query rows, block tables, context lengths, anchor entries or None) of a step's decode rows.
 DecodeRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+class Attention(NamedTuple):
+    """A layer's attention constants: query scale, sliding window (0: none), softcap (0: off).
+    """
+    scale: float
+    window: int
+    softcap: float
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -30,27 +47,31 @@ def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                         meta: AttentionMetadata, scale: float,
                         k_scale: torch.Tensor | None = None,
                         v_scale: torch.Tensor | None = None,
-                        anchors: Anchors | None = None) -> torch.Tensor:
-    """As kernels.attention_ref.paged_attention_ref: decode rows through the kernel, prefill
-    chunks through the reference."""
+                        anchors: Anchors | None = None, *, window: int = 0,
+                        softcap: float = 0.0) -> torch.Tensor:
+    """As kernels.attention_ref.paged_attention_ref (window and softcap included): decode
+    rows through the kernel, prefill chunks through the reference."""
+    check_window_softcap(window, softcap)
     rows, tables, lens, anchor_idx = decode_rows(meta)
     if not len(rows):
         return paged_attention_ref(query, k_cache, v_cache, meta, scale, k_scale, v_scale,
-                                   anchors)
+                                   anchors, window=window, softcap=softcap)
+    attn = Attention(scale, window, softcap)
     pool: LayerPool = (k_cache, v_cache, k_scale, v_scale,
                        anchors if anchor_idx is not None else None)
     if not meta.prefill_seqs and query.dtype in IO_DTYPES:  # rows in and out as they are
         q = query.contiguous()
         out = torch.empty_like(q)
-        _run(out, q, rows, tables, lens, anchor_idx, pool, scale)
+        _run(out, q, rows, tables, lens, anchor_idx, pool, attn)
         return out
     q = query.float().contiguous()
     if meta.prefill_seqs:  # the reference fills the prefill rows; the kernel the rest
         out = paged_attention_ref(query, k_cache, v_cache, _prefill_only(meta), scale,
-                                  k_scale, v_scale, anchors).float().contiguous()
+                                  k_scale, v_scale, anchors, window=window,
+                                  softcap=softcap).float().contiguous()
     else:
         out = torch.empty_like(q)
-    _run(out, q, rows, tables, lens, anchor_idx, pool, scale)
+    _run(out, q, rows, tables, lens, anchor_idx, pool, attn)
     return out.to(query.dtype)
 
 
@@ -81,7 +102,7 @@ def _prefill_only(meta: AttentionMetadata) -> AttentionMetadata:
 
 
 def _run(out: torch.Tensor, q: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor,
-         lens: torch.Tensor, anchor_idx: torch.Tensor | None, pool: LayerPool, scale: float
+         lens: torch.Tensor, anchor_idx: torch.Tensor | None, pool: LayerPool, attn: Attention
          ) -> None:
     lib = native.require_library()
     k_cache, v_cache, k_scale, v_scale, anchors = pool
@@ -95,8 +116,8 @@ def _run(out: torch.Tensor, q: torch.Tensor, rows: torch.Tensor, tables: torch.T
     status = lib.kvscope_paged_decode(
         out.data_ptr(), q.data_ptr(), rows.data_ptr(), tables.data_ptr(), tables.shape[1],
         lens.data_ptr(), 0, len(rows), k_cache.data_ptr(), v_cache.data_ptr(), ptr(k_scale),
-        ptr(v_scale), q.shape[1], kv_heads, head_dim, block_size, KINDS[k_cache.dtype], scale,
-        int(q.dtype == torch.bfloat16), ptr(ak), ptr(av), ptr(anchor_idx),
-        ak.shape[1] if ak is not None else 0)
+        ptr(v_scale), q.shape[1], kv_heads, head_dim, block_size, KINDS[k_cache.dtype],
+        attn.scale, int(q.dtype == torch.bfloat16), ptr(ak), ptr(av), ptr(anchor_idx),
+        ak.shape[1] if ak is not None else 0, attn.window, attn.softcap)
     if status:
         raise MemoryError("the CPU attention kernel could not allocate its score buffer")

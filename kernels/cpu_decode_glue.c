@@ -100,30 +100,112 @@ void kvscope_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inte
     }
 }
 
-/* For each row (one decoding sequence): q and k of qkv (io rows) turned by RoPE at its
- * position, q to q_out [rows, heads, d] float32, k and v into the cache slot (float32 when
- * cache_bf16 is 0, else bfloat16). cos/sin: [positions, d] float32, sin with its first half
- * negated (x * cos + roll(x, d/2) * sin is Hugging Face's rotate_half form). */
-void kvscope_rope_write(const void *qkv, int64_t rows, const int64_t *positions,
-                        const float *cos_table, const float *sin_table, float *q_out,
-                        void *k_cache, void *v_cache, const int64_t *slots, int64_t heads,
-                        int64_t kv_heads, int64_t d, int cache_bf16, int io) {
-    const int64_t half = d / 2, width = (heads + 2 * kv_heads) * d;
-    float row[ROW_MAX], rot[1024];
+/* One head's per-head RMSNorm (qwen3, gemma3's q_norm/k_norm), in place: x = w * (x / rms(x)),
+ * as kvscope_add_rms_norm computes it. */
+static inline void head_rms_norm(float *x, const float *w, float eps, int64_t d) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < d; i++) ss += x[i] * x[i];
+    float inv = 1.0f / sqrtf(ss / (float)d + eps);
+    for (int64_t i = 0; i < d; i++) x[i] = w[i] * (x[i] * inv);
+}
+
+/* sigmoid(z) = 1 / (1 + e^-z) from e^-|z| (never above 1): 1 / (1 + e) for z >= 0, else
+ * e / (1 + e), so neither side cancels. */
+static inline __attribute__((always_inline)) v16f sigmoid16(v16f z) {
+    v16i neg = z < (v16f){0};
+    v16f e = exp_nonpositive16((v16f){0} - (v16f)((v16i)z & 0x7fffffff));
+    const v16f one = (v16f){0} + 1.0f;
+    v16f num = (v16f)(((v16i)one & ~neg) | ((v16i)e & neg));
+    return num / (1.0f + e);
+}
+
+static inline float sigmoid1(float z) {
+    float e = exp_nonpositive(-fabsf(z));
+    return (z >= 0.0f ? 1.0f : e) / (1.0f + e);
+}
+
+/* Hugging Face's gelu_pytorch_tanh (torch's gelu, approximate="tanh"):
+ * 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3). 0.5 (1 + tanh(u)) is sigmoid(2u)
+ * exactly, which keeps its precision where tanh(u) nears -1 (1 + tanh(u) would cancel). */
+#define GELU_K 0.7978845608028654f /* sqrt(2/pi) */
+#define GELU_C 0.044715f
+
+static inline __attribute__((always_inline)) v16f gelu_tanh16(v16f x) {
+    return x * sigmoid16(2.0f * GELU_K * (x + GELU_C * (x * x * x)));
+}
+
+static inline float gelu_tanh1(float x) {
+    return x * sigmoid1(2.0f * GELU_K * (x + GELU_C * (x * x * x)));
+}
+
+/* out[r] = gelu_tanh(gate) * up, gate_up[r] = [gate (inter) | up (inter)]: gemma's GLU. */
+void kvscope_gelu_tanh_mul(const void *gate_up, void *out, int64_t rows, int64_t inter,
+                           int io) {
+    float g[ROW_MAX], u[ROW_MAX];
+    const size_t size = io ? 2 : 4;
+    for (int64_t r = 0; r < rows; r++) {
+        const char *row = (const char *)gate_up + (size_t)(r * 2 * inter) * size;
+        io_read(g, row, inter, io);
+        io_read(u, row + (size_t)inter * size, inter, io);
+        int64_t i = 0;
+        for (; i + 16 <= inter; i += 16)
+            *(v16f_u *)(g + i) = gelu_tanh16(*(const v16f_u *)(g + i)) * *(const v16f_u *)(u + i);
+        for (; i < inter; i++) g[i] = gelu_tanh1(g[i]) * u[i];
+        io_write((char *)out + (size_t)(r * inter) * size, g, inter, io);
+    }
+}
+
+/* Gemma's sandwich norm and the residual add in one pass: per row, h += y_w * (y / rms(y))
+ * (y: a matmul output, io rows), then, when w is not NULL, out = w * (h / rms(h)), the next
+ * norm (as kvscope_add_rms_norm); w NULL (the last layer): out is not written. */
+void kvscope_add_normed_rms_norm(float *h, const void *y, const float *y_w, const float *w,
+                                 float eps, void *out, int64_t rows, int64_t n, int io) {
+    float tmp[ROW_MAX];
+    for (int64_t r = 0; r < rows; r++) {
+        float *x = h + r * n;
+        io_read(tmp, (const char *)y + (size_t)(r * n) * (io ? 2 : 4), n, io);
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < n; i++) ss += tmp[i] * tmp[i];
+        float inv = 1.0f / sqrtf(ss / (float)n + eps);
+        for (int64_t i = 0; i < n; i++) x[i] += y_w[i] * (tmp[i] * inv);
+        if (!w) continue;
+        ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+        inv = 1.0f / sqrtf(ss / (float)n + eps);
+        for (int64_t i = 0; i < n; i++) tmp[i] = w[i] * (x[i] * inv);
+        io_write((char *)out + (size_t)(r * n) * (io ? 2 : 4), tmp, n, io);
+    }
+}
+
+/* kvscope_rope_write and kvscope_norm_rope_write: q_norm/k_norm NULL for no per-head norm;
+ * rot = d for a whole-head rotary. Inlined into both, so the plain one keeps its own code. */
+static inline __attribute__((always_inline)) void norm_rope_write(
+    const void *qkv, int64_t rows, const int64_t *positions, const float *cos_table,
+    const float *sin_table, int64_t rot, const float *q_norm, const float *k_norm, float eps,
+    float *q_out, void *k_cache, void *v_cache, const int64_t *slots, int64_t heads,
+    int64_t kv_heads, int64_t d, int cache_bf16, int io) {
+    const int64_t half = rot / 2, width = (heads + 2 * kv_heads) * d;
+    float row[ROW_MAX], turned[1024];
     for (int64_t r = 0; r < rows; r++) {
         io_read(row, (const char *)qkv + (size_t)(r * width) * (io ? 2 : 4), width, io);
-        const float *c = cos_table + positions[r] * d, *s = sin_table + positions[r] * d;
+        const float *c = cos_table + positions[r] * rot, *s = sin_table + positions[r] * rot;
         for (int64_t hd = 0; hd < heads + kv_heads; hd++) {
-            const float *x = row + hd * d;
-            for (int64_t i = 0; i < half; i++) rot[i] = x[i] * c[i] + x[i + half] * s[i];
-            for (int64_t i = half; i < d; i++) rot[i] = x[i] * c[i] + x[i - half] * s[i];
+            float *x = row + hd * d;
+            const float *w = hd < heads ? q_norm : k_norm;
+            if (w) head_rms_norm(x, w, eps, d);
+            for (int64_t i = 0; i < half; i++) turned[i] = x[i] * c[i] + x[i + half] * s[i];
+            for (int64_t i = half; i < rot; i++) turned[i] = x[i] * c[i] + x[i - half] * s[i];
+            for (int64_t i = rot; i < d; i++) turned[i] = x[i];  /* past the rotary part */
             if (hd < heads) {
-                memcpy(q_out + (r * heads + hd) * d, rot, sizeof(float) * (size_t)d);
+                memcpy(q_out + (r * heads + hd) * d, turned, sizeof(float) * (size_t)d);
                 continue;
             }
             int64_t at = (slots[r] * kv_heads + (hd - heads)) * d;
             io_write(cache_bf16 ? (void *)((uint16_t *)k_cache + at)
-                                : (void *)((float *)k_cache + at), rot, d, cache_bf16);
+                                : (void *)((float *)k_cache + at), turned, d, cache_bf16);
         }
         for (int64_t hd = 0; hd < kv_heads; hd++) {
             int64_t at = (slots[r] * kv_heads + hd) * d;
@@ -132,4 +214,29 @@ void kvscope_rope_write(const void *qkv, int64_t rows, const int64_t *positions,
                      row + (heads + kv_heads + hd) * d, d, cache_bf16);
         }
     }
+}
+
+/* For each row (one decoding sequence): q and k of qkv (io rows) turned by RoPE at its
+ * position, q to q_out [rows, heads, d] float32, k and v into the cache slot (float32 when
+ * cache_bf16 is 0, else bfloat16). cos/sin: [positions, d] float32, sin with its first half
+ * negated (x * cos + roll(x, d/2) * sin is Hugging Face's rotate_half form). */
+void kvscope_rope_write(const void *qkv, int64_t rows, const int64_t *positions,
+                        const float *cos_table, const float *sin_table, float *q_out,
+                        void *k_cache, void *v_cache, const int64_t *slots, int64_t heads,
+                        int64_t kv_heads, int64_t d, int cache_bf16, int io) {
+    norm_rope_write(qkv, rows, positions, cos_table, sin_table, d, NULL, NULL, 0.0f, q_out,
+                    k_cache, v_cache, slots, heads, kv_heads, d, cache_bf16, io);
+}
+
+/* kvscope_rope_write with two family options. q_norm, k_norm: [d] float32 weights of a
+ * per-head RMSNorm (eps) of every q and k head before RoPE (qwen3, gemma3), or NULL for none.
+ * rot (even, <= d): only the first rot dims of a head turn, by Hugging Face's rotate_half over
+ * that part, and the rest pass through (phi3's partial rotary); cos/sin are [positions, rot]. */
+void kvscope_norm_rope_write(const void *qkv, int64_t rows, const int64_t *positions,
+                             const float *cos_table, const float *sin_table, int64_t rot,
+                             const float *q_norm, const float *k_norm, float eps, float *q_out,
+                             void *k_cache, void *v_cache, const int64_t *slots, int64_t heads,
+                             int64_t kv_heads, int64_t d, int cache_bf16, int io) {
+    norm_rope_write(qkv, rows, positions, cos_table, sin_table, rot, q_norm, k_norm, eps,
+                    q_out, k_cache, v_cache, slots, heads, kv_heads, d, cache_bf16, io);
 }

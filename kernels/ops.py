@@ -14,7 +14,11 @@ import torch
 
 from kvscope.kernels import cpu_attention, cpu_kv_write, native
 from kvscope.kernels.anchors import Anchors, write_anchors
-from kvscope.kernels.attention_ref import AttentionMetadata, paged_attention_ref
+from kvscope.kernels.attention_ref import (
+    AttentionMetadata,
+    check_window_softcap,
+    paged_attention_ref,
+)
 from kvscope.kernels.k_balance import KBalanceLayer, balance_k, balance_q
 from kvscope.kernels.kv_write_ref import write_kv_ref
 from kvscope.kernels.rotation import rotate, unrotate
@@ -78,7 +82,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     v_scale: torch.Tensor | None = None,
                     rotation: torch.Tensor | None = None,
                     k_balance: KBalanceLayer | None = None,
-                    anchors: Anchors | None = None) -> torch.Tensor:
+                    anchors: Anchors | None = None, *, window: int = 0,
+                    softcap: float = 0.0) -> torch.Tensor:
     """Varlen paged attention (decode rows and prefill chunks); see
     kernels.attention_ref.paged_attention_ref. With a `rotation` R the pool holds rotated K/V:
     the query is rotated the same way and the output rotated back (o = (o R) R^T), so the
@@ -86,18 +91,25 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     ((k - c) * g) @ R and the query attends as (q / g) @ R: every score of a query moves by
     the same q.c, which softmax ignores. The Triton kernel does all of it in registers.
     `anchors` (kernels.anchors, with meta.anchor_index): the first positions of sequences
-    with an anchor entry are read from it instead of the pool."""
+    with an anchor entry are read from it instead of the pool. `window` (sliding window,
+    0 = none) and `softcap` (gemma2's attention logit soft-capping, 0 = off) go to every
+    backend: a query at position p attends to p - window < j <= p, scores become
+    softcap * tanh(score / softcap)."""
+    check_window_softcap(window, softcap)
     path = backend(query.device)
     if path == "triton":
         from kvscope.kernels.triton_attention import paged_attention_triton
 
         return paged_attention_triton(query, k_cache, v_cache, meta, scale, k_scale, v_scale,
-                                      rotation=rotation, k_balance=k_balance, anchors=anchors)
+                                      rotation=rotation, k_balance=k_balance, anchors=anchors,
+                                      window=window, softcap=softcap)
     attend = paged_attention_ref
     if path == "cpu" and cpu_attention.supports(query, k_cache):
         attend = cpu_attention.paged_attention_cpu
     if rotation is None and k_balance is None:
-        return attend(query, k_cache, v_cache, meta, scale, k_scale, v_scale, anchors)
+        return attend(query, k_cache, v_cache, meta, scale, k_scale, v_scale, anchors,
+                      window=window, softcap=softcap)
     q = rotate(balance_q(query, k_balance), rotation).to(query.dtype)
-    out = attend(q, k_cache, v_cache, meta, scale, k_scale, v_scale, anchors)
+    out = attend(q, k_cache, v_cache, meta, scale, k_scale, v_scale, anchors, window=window,
+                 softcap=softcap)
     return unrotate(out, rotation).to(query.dtype)

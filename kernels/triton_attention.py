@@ -9,7 +9,8 @@ score of a query by the same amount).
 
 Same contract as `kernels.attention_ref.paged_attention_ref` (the CPU path and the oracle):
 sequence i's queries are rows query_start_loc[i]:query_start_loc[i+1], the last q_len of
-its context_lens[i] tokens, whose K/V are already in the pool; each attends causally.
+its context_lens[i] tokens, whose K/V are already in the pool; each attends causally (within
+its sliding window, when one is given).
 
 Design
 * Grid (query tile, kv head, KV split). A query tile is BLOCK_Q consecutive query positions
@@ -39,6 +40,12 @@ Design
   head_dim] tile, unit scale), and the main loop masks those positions out of the pool's
   tiles: nothing is added inside the loop (offline compile for sm_80/sm_90: same registers
   and spill as without anchors).
+* Sliding window W (WINDOWED): a query tile's loop starts at the KV tile holding its first
+  query's window start and masks positions before it out of the loads (block-table entries
+  of blocks wholly before the window may be -1: never read); each query's mask adds
+  key position > q_pos - W. Soft-capping (SOFTCAP): the scores, in log2 units, go through
+  c' * tanh(s / c') with c' = softcap * log2(e), tanh written through exp2, before masking.
+  Both are constexpr switches, so the kernel without them is unchanged.
 * Long contexts with few tiles (decode) split the context into NUM_SPLITS ranges (flash-
   decoding): each split writes its unnormalised accumulator, max and sum, and a second
   small kernel merges them. On the CPU interpreter the default is one split.
@@ -63,7 +70,7 @@ import triton
 import triton.language as tl
 
 from kvscope.kernels.anchors import Anchors
-from kvscope.kernels.attention_ref import AttentionMetadata
+from kvscope.kernels.attention_ref import AttentionMetadata, check_window_softcap
 from kvscope.kernels.k_balance import KBalanceLayer
 from kvscope.kernels.quant import is_quantized
 from kvscope.kernels.triton_kv_write import _bf16_rne, check_k_balance, check_rotation
@@ -83,6 +90,15 @@ def _codes_to(x, KV_KIND: tl.constexpr, DOT: tl.constexpr):
         i = x.to(tl.int16)
         x = (((i & 0x80) << 8) | ((i & 0x7F) << 7)).to(tl.float16, bitcast=True)
     return x.to(DOT)
+
+
+@triton.jit
+def _softcap(s, cap2):
+    """cap2 * tanh(s / cap2), with tanh written through exp2 (the interpreter's tl has no
+    tanh): 1 - 2 / (e^(2x) + 1), which saturates to +-1 when e^(2x) overflows or vanishes.
+    Scores here are in log2 units (scale * log2(e) folded in), so cap2 = softcap * log2(e)."""
+    e = tl.exp2(s * (2.0 * 1.4426950408889634 / cap2))
+    return cap2 * (1.0 - 2.0 / (e + 1.0))
 
 
 @triton.jit
@@ -111,12 +127,15 @@ def _paged_attention_kernel(
     num_tokens, num_heads,
     qk_scale,                         # softmax scale * log2(e) (* 2**8 for fp8 bit decode)
     v_fix,                            # 1, or 2**8 for fp8 bit decode
+    window,                           # sliding window W when WINDOWED
+    softcap2,                         # softcap * log2(e) when SOFTCAP
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, KV_KIND: tl.constexpr,
     QUANT: tl.constexpr, DOT: tl.constexpr, F32_PRECISION: tl.constexpr,
     BF16_OUT: tl.constexpr, ROTATE: tl.constexpr, BALANCE: tl.constexpr,
     ANCHOR_LEN: tl.constexpr, ANCHOR_PAD: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -151,10 +170,16 @@ def _paged_attention_kernel(
         q = tl.dot(q.to(tl.float32), r, input_precision="ieee")
     q = q.to(DOT)
 
-    # Keys this tile can see: up to its last query's position.
+    # Keys this tile can see: up to its last query's position, and with a window from its
+    # first query's window start (w_lo) on. The loop starts at the KV tile holding w_lo;
+    # positions before w_lo are never loaded (their block-table entries may be -1).
     kv_end = ctx - q_len + tl.minimum(q_first + BLOCK_Q, q_len)
-    split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * split_len
+    w_lo = 0
+    if WINDOWED:
+        w_lo = tl.maximum(ctx - q_len + q_first - window + 1, 0)
+    kv_lo = (w_lo // BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(kv_end - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = kv_lo + split * split_len
     hi = tl.minimum(lo + split_len, kv_end)
 
     # The running max starts finite so exp2(m_old - m_new) is never inf - inf = NaN.
@@ -180,7 +205,11 @@ def _paged_attention_kernel(
             else:
                 s = tl.dot(q, tl.trans(ak.to(DOT)), input_precision=F32_PRECISION)
             s = s * (qk_scale / v_fix)  # exact rows: no code scale, no fp8 bit-decode factor
+            if SOFTCAP:
+                s = _softcap(s, softcap2)
             visible = a_ok[None, :] & (ap[None, :] <= q_pos[:, None])
+            if WINDOWED:
+                visible = visible & (ap[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
             m_i = tl.maximum(m_i, tl.max(s, axis=1))
             p = tl.exp2(s - m_i[:, None])
@@ -194,6 +223,8 @@ def _paged_attention_kernel(
     for start in range(lo, hi, BLOCK_N):
         pos = start + n
         n_ok = pos < hi
+        if WINDOWED:
+            n_ok = n_ok & (pos >= w_lo)
         if BLOCK_SIZE >= BLOCK_N:
             # The whole KV tile sits in one block.
             phys = tl.load(bt_row + start // BLOCK_SIZE).to(tl.int64)
@@ -215,7 +246,11 @@ def _paged_attention_kernel(
             s = s * (ks * qk_scale)[None, :]
         else:
             s = s * qk_scale
+        if SOFTCAP:
+            s = _softcap(s, softcap2)
         visible = n_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        if WINDOWED:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
         if ANCHOR_LEN > 0:
             visible = visible & (pos >= a_len)[None, :]  # attended from the anchor rows
         s = tl.where(visible, s, float("-inf"))
@@ -353,7 +388,8 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            k_balance: KBalanceLayer | None = None,
                            anchors: Anchors | None = None,
                            out: torch.Tensor | None = None, num_splits: int | None = None,
-                           block_n: int | None = None) -> torch.Tensor:
+                           block_n: int | None = None, window: int = 0,
+                           softcap: float = 0.0) -> torch.Tensor:
     """query: [T, heads, head_dim] -> [T, heads, head_dim] in query's dtype.
 
     Keyword-only extras: `rotation` (R [head_dim, head_dim] float32: the pool holds K @ R and
@@ -364,8 +400,11 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     first positions of a sequence with an entry are read from those float32 rows instead
     of the pool), `out` (written in place and
     returned), `num_splits` (KV splits per
-    tile; default: chosen from the GPU's size, 1 on the interpreter), `block_n` (KV tile).
+    tile; default: chosen from the GPU's size, 1 on the interpreter), `block_n` (KV tile),
+    `window` (sliding window W: a query at p attends p - W < j <= p; KV tiles before a query
+    tile's window are skipped, 0 = none), `softcap` (scores -> c * tanh(s / c), 0 = off).
     """
+    check_window_softcap(window, softcap)
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, kv_heads, cache_dim = k_cache.shape
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride() \
@@ -437,7 +476,8 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     step = _step_tensors(meta, device, block_q)
     n_tiles = step["num_tiles"]
     if num_splits is None:
-        num_splits = _choose_splits(device, n_tiles * kv_heads, step["max_ctx"])
+        span = min(step["max_ctx"], window) if window else step["max_ctx"]
+        num_splits = _choose_splits(device, n_tiles * kv_heads, span)
     num_splits = max(1, int(num_splits))
 
     dot_tl = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -460,14 +500,14 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         ak, av, a_idx, *(ak.stride()[:3] if a_len else (0, 0, 0)),
         *query.stride(), *k_cache.stride(), *scale_strides, tables.stride(0), *out.stride(),
         num_tokens, num_heads,
-        float(scale) * _LOG2E * fix, fix,
+        float(scale) * _LOG2E * fix, fix, min(window, 2**31 - 1), float(softcap) * _LOG2E,
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad,
         BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
         KV_KIND=kind, QUANT=quant, DOT=dot_tl[dot],
         F32_PRECISION=("ieee" if interpret else "tf32x3") if f32 else "",
         BF16_OUT=bf16_out, ROTATE=rot is not None, BALANCE=kb is not None,
         ANCHOR_LEN=a_len, ANCHOR_PAD=max(16, triton.next_power_of_2(a_len)),
-        num_warps=num_warps,
+        WINDOWED=window > 0, SOFTCAP=softcap > 0, num_warps=num_warps,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](

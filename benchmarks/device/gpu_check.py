@@ -6,7 +6,8 @@ With CUDA (under 5 minutes on one GPU):
 1. correctness on the GPU: the KV write per KV dtype (must equal the reference bit for bit:
    codes, scales, rows) and paged attention per KV dtype, block sizes 1/16/256, GQA, a
    batch mixing decode rows and prefill chunks with and without cached context, with
-   poisoned pools and output (tolerances as in tests/kernels/test_triton_kernels.py);
+   poisoned pools and output (tolerances as in tests/kernels/test_triton_kernels.py), and
+   the same with a sliding window (blocks before it freed) and logit soft-capping;
 2. paged decode attention at long context (batch 32 x 32k tokens, block size 16) for a
    SmolLM2-like head layout (9 heads / 3 kv heads / head_dim 64) and a Llama-3-8B-like one
    (32 / 8 / 128), per KV dtype: time, the KV bytes it must read (codes + scales + block
@@ -150,11 +151,14 @@ def check_write(kv_name, block_size, kv_heads, head_dim, n, device, seed) -> dic
 
 def check_attention(kv_name, q_name, block_size, heads, kv_heads, head_dim, seqs, device,
                     seed, num_splits=None, block_n=None, rotated: bool = False,
-                    balanced: bool = False, anchored: bool = False) -> dict:
+                    balanced: bool = False, anchored: bool = False, window: int = 0,
+                    softcap: float = 0.0) -> dict:
     """With `rotated`, the kernel's fused q / output rotation against torch's rotate ->
     reference -> unrotate (kernels.rotation), same tolerance; with `balanced` also the fused
     q / g of a random K balance (kernels.k_balance) against torch's balance_q; with
-    `anchored`, anchor rows (kernels.anchors) for two of every three sequences."""
+    `anchored`, anchor rows (kernels.anchors) for two of every three sequences; with a
+    `window` (sliding window) and/or `softcap` (logit soft-capping) both sides take them, and
+    the blocks wholly before each sequence's window are freed (free_before_window)."""
     import torch
 
     from kvscope.kernels.attention_ref import paged_attention_ref
@@ -180,25 +184,59 @@ def check_attention(kv_name, q_name, block_size, heads, kv_heads, head_dim, seqs
         anchors = tuple(torch.randn(2, 4, kv_heads, head_dim, generator=g).to(device)
                         for _ in range(2))
         meta.anchor_index = torch.tensor([i % 3 - 1 for i in range(len(seqs))])
+    freed = free_before_window(pool, meta, window) if window else 0
     paged_attention_triton(query, pool[0], pool[1], meta, scale, pool[2], pool[3], out=out,
                            num_splits=num_splits, block_n=block_n, rotation=r, k_balance=kb,
-                           anchors=anchors)
+                           anchors=anchors, window=window, softcap=softcap)
     clean = sanitized(pool)
     q_ref = rotate(balance_q(query, kb), r).to(q_dtype)
     want = unrotate(paged_attention_ref(q_ref, clean[0], clean[1], meta, scale, clean[2],
-                                        clean[3], anchors), r).to(q_dtype)
+                                        clean[3], anchors, window=window, softcap=softcap),
+                    r).to(q_dtype)
     tol = TOL[q_name]
     diff = (out.float() - want.float()).abs()
     nan = int(torch.isnan(out).sum())
     ratio = float((diff / (tol + tol * want.float().abs())).nan_to_num(float("inf")).max())
     return {"kernel": "paged_attention" + (" rotated" if rotated else "")
-            + (" balanced" if balanced else "") + (" anchored" if anchored else ""),
-            "kv_dtype": kv_name, "q_dtype": q_name,
+            + (" balanced" if balanced else "") + (" anchored" if anchored else "")
+            + (f" window {window}" if window else "")
+            + (f" softcap {softcap:g}" if softcap else ""),
+            "kv_dtype": kv_name, "q_dtype": q_name, "freed_blocks": freed,
             "block_size": block_size, "heads": f"{heads}/{kv_heads}x{head_dim}",
             "q_lens": [q for q, _ in seqs], "ctx_lens": [c for _, c in seqs],
             "num_splits": num_splits or "auto", "max_abs_err": float(diff.max()),
             "tolerance": tol, "err_over_tol": ratio, "nan_outputs": nan,
             "ok": nan == 0 and ratio <= 1.0}
+
+
+def free_before_window(pool, meta, window: int) -> int:
+    """As the block manager leaves a windowed sequence (docs: contracts, windowed memory):
+    the blocks wholly before its first query's window poisoned again and dropped from its
+    table. The entries point at block 0 (never allocated, still poisoned) rather than -1, so
+    that a kernel reading one shows up as NaN outputs instead of faulting the device (the
+    CPU tests, tests/kernels/test_window_softcap.py, use -1). Returns how many were freed."""
+    import torch
+
+    from kvscope.testing.pools import poisoned_pool
+
+    block_size = pool[0].shape[1]
+    poison = poisoned_pool(pool[0].dtype, 1, block_size, *pool[0].shape[2:],
+                           device=pool[0].device)
+    tables = meta.block_tables
+    freed = []
+    for i, ctx in enumerate(meta.context_lens):
+        q_len = meta.query_start_loc[i + 1] - meta.query_start_loc[i]
+        first = max(0, ctx - q_len - window + 1) // block_size
+        freed += tables[i, :first].tolist()
+        tables[i, :first] = 0
+    if freed:
+        idx = torch.tensor(freed, dtype=torch.long, device=tables.device)
+        for t, p in zip(pool, poison, strict=True):
+            if t is not None:  # as bytes: index_copy_ has no fp8 kernel on the CPU
+                raw = t.view(torch.uint8) if t.element_size() == 1 else t
+                src = p.view(torch.uint8) if p.element_size() == 1 else p
+                raw.index_copy_(0, idx, src.expand(len(freed), *src.shape[1:]).contiguous())
+    return len(freed)
 
 
 def correctness(device, small: bool, seed: int) -> list[dict]:
@@ -233,6 +271,41 @@ def correctness(device, small: bool, seed: int) -> list[dict]:
                                         rotated=kv in ("int8", "fp8") and bs == 16,
                                         balanced=kv == "fp8" and bs == 16,
                                         anchored=kv in ("int8", "fp8") and bs != 16))
+    rows += windowed_cases(device, small, seed)
+    return rows
+
+
+def windowed_cases(device, small: bool, seed: int) -> list[dict]:
+    """Sliding window (shorter than most contexts: blocks freed) with logit soft-capping
+    (gemma2-style; small enough a cap to bend the scores), per KV dtype and block size 1/16,
+    decode rows with prefill chunks, split KV, anchors on the 1-byte pools."""
+    rows = []
+    rng = random.Random(seed + 1)
+    for i, (kv, qd) in enumerate(ATTN_CASES):
+        for bs in (1, 16):
+            if small:
+                heads, kvh, hd = [(4, 2, 16), (6, 2, 16)][(i + bs) % 2]
+                window, m = 7, 40
+                seqs = [(1, rng.randint(1, m)), (n := rng.randint(2, 12), n),
+                        (rng.randint(2, 8), rng.randint(20, m)), (1, rng.randint(20, m))]
+                splits, block_n = 1 + (i + bs) % 2, 16
+            else:
+                heads, kvh, hd = [(9, 3, 64), (16, 8, 256)][(i + bs) % 2]
+                window = 1024
+                seqs = [(1, rng.randint(1, 4000)), (n := rng.randint(100, 700), n),
+                        (rng.randint(2, 300), rng.randint(1000, 3000)),
+                        (1, rng.randint(1, 300)), (1, rng.randint(3000, 9000))]
+                splits, block_n = (None if (i + bs) % 2 else 1), None
+            try:
+                rows.append(check_attention(kv, qd, bs, heads, kvh, hd, seqs, device,
+                                            seed + 17 * i + bs, splits, block_n,
+                                            anchored=kv in ("int8", "fp8"), window=window,
+                                            softcap=1.5))
+            except Exception as e:  # noqa: BLE001 - e.g. head_dim 256 out of resources
+                rows.append({"kernel": f"paged_attention window {window} softcap 1.5",
+                             "kv_dtype": kv, "q_dtype": qd, "block_size": bs,
+                             "heads": f"{heads}/{kvh}x{hd}",
+                             "error": f"{type(e).__name__}: {e}"[:300], "ok": False})
     return rows
 
 
@@ -439,10 +512,15 @@ def format_report(r: dict) -> str:
             lines.append(f"  {status} kv_write   {c['kv_dtype']:>8} <- {c['src_dtype']:<8} "
                          f"block {c['block_size']:>3}: {c['mismatched_elements']} mismatched "
                          f"elements, {c['wrongly_touched_slots']} wrong slots (exact)")
+        elif "error" in c:
+            lines.append(f"  FAIL {c['kernel']} {c['kv_dtype']} q {c['q_dtype']} block "
+                         f"{c['block_size']} heads {c['heads']}: {c['error']}")
         else:
             name = {"paged_attention rotated": "attn+rot ",
                     "paged_attention rotated balanced": "attn+bal "}.get(c["kernel"],
                                                                          "attention")
+            if " window" in c["kernel"] or " softcap" in c["kernel"]:
+                name = "attn+win "
             lines.append(f"  {status} {name}  {c['kv_dtype']:>8} q {c['q_dtype']:<8} "
                          f"block {c['block_size']:>3} heads {c['heads']:<9} splits "
                          f"{c['num_splits']!s:>4}: max err {c['max_abs_err']:.2e} "
