@@ -13,6 +13,11 @@ from dataclasses import dataclass
 from kvscope.engine.cache_events import BlockCached, BlockUncached, CacheEvent
 from kvscope.engine.sequence import Sequence
 
+# A block-table entry whose block was released because it lies wholly behind a sliding
+# window (free_behind_window): the table keeps its length, so logical block i still covers
+# tokens [i * block_size, (i + 1) * block_size), and every reader skips these entries.
+FREED = -1
+
 
 @dataclass
 class Block:
@@ -149,6 +154,8 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop seq's references; tail blocks are released first so they are evicted first."""
         for block_id in reversed(seq.block_table):
+            if block_id == FREED:
+                break  # freed entries are a prefix of the table: nothing before is held
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed twice"
@@ -156,6 +163,36 @@ class BlockManager:
                 self._release(block)
         seq.block_table = []
         seq.num_computed_tokens = 0
+
+    def free_behind_window(self, seq: Sequence, window: int) -> list[int]:
+        """Release seq's blocks that no query of its coming step can see, and mark their
+        table entries FREED; returns the released block ids (latest first).
+
+        A query at position p attends keys j > p - window, and the coming step's first query
+        sits at num_computed_tokens, so every key before num_computed_tokens - window + 1 is
+        dead for good. Call it before the scheduler allocates for the step, so the blocks are
+        reusable at once. Shared prefix blocks only lose this reference; a hashed block goes
+        to the cached-free list like any other released block.
+        """
+        if window <= 0:
+            return []
+        table = seq.block_table
+        dead = min(max(0, seq.num_computed_tokens - window + 1) // self.block_size, len(table))
+        released: list[int] = []
+        # Freed entries form a prefix, so walking back from the last dead one stops at once
+        # in the common case (one new dead block every block_size steps, or none).
+        i = dead - 1
+        while i >= 0 and table[i] != FREED:
+            block_id = table[i]
+            table[i] = FREED
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                self._release(block)
+            released.append(block_id)
+            i -= 1
+        return released
 
     def reset_prefix_cache(self) -> None:
         for block_id in list(self.cached_free):

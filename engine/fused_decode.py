@@ -7,6 +7,13 @@ conversions, SiLU, residual adds), costs as much again in dispatch alone. Here a
 four matmuls and four calls into kernels/cpu_decode_glue.c and the native decode attention:
 norm (with the residual add), RoPE + KV write, attention, SiLU x up.
 
+The families of engine.model_family each fit in those calls: qwen3/gemma3's per-head q/k
+RMSNorm and phi3's partial rotary in the RoPE call, gemma's gelu-tanh in the GLU call, gemma's
+sandwich norms (attention and MLP outputs) in the residual add, gemma's embedding scale on the
+embedding, sliding windows (gemma3's sliding layers with their own RoPE tables) and gemma2's
+score soft-capping in the attention call. `unsupported_reason` says what a family would need
+that is not here; such a model takes its ordinary forward.
+
 Two kinds of model qualify: a float32 model whose every matmul is int4 without bias (the
 matmul rows in and out are bfloat16, as torch's int4 kernel takes and gives them), or a
 float32 or bfloat16 model whose every matmul is dense without bias (rows in the model's
@@ -14,12 +21,15 @@ dtype). It runs when every row of the step decodes and the pool holds float32 or
 unrotated; anything else (prefill chunks, 1-byte or rotated KV, a bias on a projection) takes
 the model's ordinary forward. The residual stream is float32 here: for a float32 model that is
 the ordinary forward's too, and the results differ from it only in float32 rounding order
-(tests/engine/test_fused_decode.py; the greedy tokens still equal Hugging Face's,
-tests/engine/test_embedded_model.py); a bfloat16 model's ordinary forward rounds the residual stream
-to bfloat16 after every add, which this step does not.
+(tests/engine/test_fused_decode.py, tests/engine/test_fused_families.py; the greedy tokens
+still equal Hugging Face's, tests/engine/test_embedded_model.py); a bfloat16 model's ordinary
+forward rounds the residual stream to bfloat16 after every add, which this step does not.
 """
 from __future__ import annotations
 
+import ctypes
+import inspect
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -33,10 +43,15 @@ from kvscope.kernels.attention_ref import AttentionMetadata
 from kvscope.kernels.k_balance import KBalanceLayer
 
 BF16 = torch.bfloat16
+log = logging.getLogger("kvscope.engine")
 # kvscope_rope_write turns a head in a stack buffer of this many floats, and the glue holds a
 # row (hidden, intermediate, or q|k|v) in one of ROW_MAX (kernels/cpu_decode_glue.c).
 MAX_HEAD_DIM = 1024
 ROW_MAX = 16384
+# The families (engine.model_family) whose math every call below implements, and the GLU
+# activations the glue has.
+COVERED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 # What this module reads of the model (engine.model.PagedLlama) and of the KV pool
@@ -84,6 +99,48 @@ class FusedPool(Protocol):
     k_balance: list[KBalanceLayer] | None
 
 
+def unsupported_reason(model: object) -> str | None:
+    """Why the fused decode cannot take this model's family (None: it can, or the model is
+    not on the CPU, where no fused step runs anyway). The model's ordinary forward runs
+    instead; the first time a reason comes up it is logged (the status bar shows it too:
+    decode_path_notice)."""
+    reason = _family_reason(model)
+    if reason is not None and reason not in _told:
+        _told.add(reason)
+        log.warning("%s", reason)
+    return reason
+
+
+_told: set[str] = set()  # reasons logged already: one line per reason and process
+
+
+def decode_path_notice(model: object) -> str:
+    """The one-line notice for the window (EngineSettings.decode_path_notice): "" when the
+    fused decode covers the model's family."""
+    return _family_reason(model) or ""
+
+
+def _family_reason(model: object) -> str | None:
+    family = getattr(model, "family", None)
+    if family is None or getattr(model, "device", "cpu") != "cpu":
+        return None
+    name = f"the fused CPU decode does not cover {family.model_type}"
+    if family.model_type not in COVERED_FAMILIES:
+        return f"{name} (its decode takes the ordinary, slower forward)"
+    if family.activation not in ACTIVATIONS:
+        return f"{name}: activation {family.activation!r} (it has {', '.join(ACTIVATIONS)})"
+    shape, cos = getattr(model, "shape", None), getattr(model, "cos", None)
+    if shape is not None and cos is not None and (
+            cos.shape[-1] % 2 or cos.shape[-1] > shape.head_dim):
+        return f"{name}: a rotary width of {cos.shape[-1]} in a head of {shape.head_dim}"
+    taken = inspect.signature(cpu_attention.paged_attention_cpu).parameters
+    if any(family.layer_windows) and "window" not in taken:
+        return f"{name}: the native CPU attention takes no sliding window yet"
+    if family.attn_softcap and "softcap" not in taken:
+        return f"{name}: the native CPU attention takes no score soft-capping yet"
+    return None
+
+
 def matmul_rows(model: FusedModel) -> torch.dtype | None:
     """The dtype of the matmuls' input/output rows if the model's decode steps can fuse
     (bfloat16 for int4, the model's dtype for dense), else None."""
@@ -107,17 +164,45 @@ def matmul_rows(model: FusedModel) -> torch.dtype | None:
 @dataclass
 class Float32Tables:
     """What the glue reads in float32: the norm weights and the RoPE tables. A float32 model's
-    own tensors; for a bfloat16 model, float32 copies (a few MB, mostly the RoPE tables)."""
+    own tensors; for a bfloat16 model, float32 copies (a few MB, mostly the RoPE tables).
+    Per layer None where the family has no such norm; local_cos/local_sin: gemma3's sliding
+    layers' tables (None: every layer takes cos/sin)."""
     input_norms: list[torch.Tensor]
     post_norms: list[torch.Tensor]
     cos: torch.Tensor
     sin: torch.Tensor
+    q_norms: list[torch.Tensor | None]
+    k_norms: list[torch.Tensor | None]
+    attn_out_norms: list[torch.Tensor | None]
+    mlp_out_norms: list[torch.Tensor | None]
+    local_cos: torch.Tensor | None = None
+    local_sin: torch.Tensor | None = None
+
+    def rope(self, layer: FusedLayer) -> tuple[torch.Tensor, torch.Tensor]:
+        if getattr(layer, "local_rope", False):
+            if self.local_cos is None or self.local_sin is None:
+                raise ValueError("a layer takes the local RoPE tables and the model has none")
+            return self.local_cos, self.local_sin
+        return self.cos, self.sin
 
 
 def float32_tables(model: FusedModel) -> Float32Tables:
-    return Float32Tables([_float32(layer.input_norm) for layer in model.layers],
-                         [_float32(layer.post_norm) for layer in model.layers],
-                         _float32(model.cos), _float32(model.sin))
+    layers = model.layers
+    local_cos, local_sin = getattr(model, "local_cos", None), getattr(model, "local_sin", None)
+    return Float32Tables([_float32(layer.input_norm) for layer in layers],
+                         [_float32(layer.post_norm) for layer in layers],
+                         _float32(model.cos), _float32(model.sin),
+                         _optional(layers, "q_norm"), _optional(layers, "k_norm"),
+                         _optional(layers, "attn_out_norm"), _optional(layers, "mlp_out_norm"),
+                         None if local_cos is None else _float32(local_cos),
+                         None if local_sin is None else _float32(local_sin))
+
+
+def _optional(layers: Sequence[FusedLayer], name: str) -> list[torch.Tensor | None]:
+    """Each layer's norm weight `name` in float32, None where it has none (older layer
+    objects lack the attribute altogether)."""
+    got = [getattr(layer, name, None) for layer in layers]
+    return [None if t is None else _float32(t) for t in got]
 
 
 def _float32(t: torch.Tensor) -> torch.Tensor:
@@ -146,48 +231,118 @@ def dense(x: torch.Tensor, linear: Linear) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    return cpu_attention.paged_attention_cpu(q, k_cache, v_cache, meta, scale)
+              meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0
+              ) -> torch.Tensor:
+    if not (window or softcap):  # the call as before the families came
+        return cpu_attention.paged_attention_cpu(q, k_cache, v_cache, meta, scale)
+    return cpu_attention.paged_attention_cpu(q, k_cache, v_cache, meta, scale, window=window,
+                                             softcap=softcap)
+
+
+@dataclass
+class Step:
+    """One fused decode step's fixed parts: the library, the rows, and the buffers every layer
+    reuses (the float32 residual stream h, the matmul input x, the turned queries q)."""
+    lib: ctypes.CDLL
+    model: FusedModel
+    tables: Float32Tables
+    io_dtype: torch.dtype
+    rows: int
+    h: torch.Tensor
+    x: torch.Tensor
+    q: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    cache_bf16: int
+
+    @property
+    def io(self) -> int:
+        return int(self.io_dtype == BF16)
+
+    def mm(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
+        # int4 rows are bfloat16 in a float32 model; dense rows are the model's dtype
+        return dense(x, linear) if self.io_dtype == self.model.dtype else int4(x, linear)
+
+
+def embed(model: FusedModel, input_ids: torch.Tensor) -> torch.Tensor:
+    """The residual stream's start, float32: the embedding rows, times gemma's scale rounded
+    to the model's dtype as Hugging Face rounds it."""
+    h = F.embedding(input_ids, model.embed)
+    scale = getattr(getattr(model, "family", None), "embed_scale", 1.0)
+    if scale != 1.0:
+        h = h * torch.tensor(scale, dtype=model.dtype)
+    return h.float().contiguous()
 
 
 @torch.inference_mode()
 def run_layers(model: FusedModel, input_ids: torch.Tensor, positions: torch.Tensor,
                meta: AttentionMetadata, pool: FusedPool) -> torch.Tensor:
     """The residual stream [T, hidden] float32 after the last layer (before the final norm)."""
-    lib, s = native.require_library(), model.shape
     io_dtype, tables = model.fused_rows, model.fused_tables
     if io_dtype is None or tables is None:
         raise ValueError("this model's decode steps do not fuse (see matmul_rows)")
-    io = int(io_dtype == BF16)
-    mm = dense if io_dtype == model.dtype else int4  # int4 rows: bfloat16 in a float32 model
-    rows, hidden, eps = len(input_ids), s.hidden_size, s.rms_norm_eps
-    h = F.embedding(input_ids, model.embed).float().contiguous()
-    x = torch.empty(rows, hidden, dtype=io_dtype)
-    q = torch.empty(rows, s.num_heads, s.head_dim)
-    positions, slots = positions.contiguous(), meta.slot_mapping.contiguous()
-    cache_bf16 = int(pool.dtype == BF16)
+    s, rows = model.shape, len(input_ids)
+    step = Step(native.require_library(), model, tables, io_dtype, rows,
+                embed(model, input_ids), torch.empty(rows, s.hidden_size, dtype=io_dtype),
+                torch.empty(rows, s.num_heads, s.head_dim), positions.contiguous(),
+                meta.slot_mapping.contiguous(), int(pool.dtype == BF16))
+    step.lib.kvscope_add_rms_norm(step.h.data_ptr(), None, tables.input_norms[0].data_ptr(),
+                                  s.rms_norm_eps, step.x.data_ptr(), rows, s.hidden_size,
+                                  step.io)
+    family = getattr(model, "family", None)
+    softcap = family.attn_softcap if family is not None else 0.0
+    gelu = family is not None and family.activation == "gelu_tanh"
     layers = model.layers
-    lib.kvscope_add_rms_norm(h.data_ptr(), None, tables.input_norms[0].data_ptr(), eps,
-                             x.data_ptr(), rows, hidden, io)
     for i, layer in enumerate(layers):
-        qkv = mm(x, layer.qkv)
+        qkv = step.mm(step.x, layer.qkv)
         k_cache, v_cache = pool.caches[i]
-        lib.kvscope_rope_write(qkv.data_ptr(), rows, positions.data_ptr(), tables.cos.data_ptr(),
-                               tables.sin.data_ptr(), q.data_ptr(), k_cache.data_ptr(),
-                               v_cache.data_ptr(), slots.data_ptr(), s.num_heads,
-                               s.num_kv_heads, s.head_dim, cache_bf16, io)
-        o = attention(q, k_cache, v_cache, meta, model.scale)
-        y = mm(o.view(rows, -1).to(io_dtype), layer.o_proj)
-        lib.kvscope_add_rms_norm(h.data_ptr(), y.data_ptr(), tables.post_norms[i].data_ptr(), eps,
-                                 x.data_ptr(), rows, hidden, io)
-        gate_up = mm(x, layer.gate_up)
+        rope_write(step, i, layer, qkv, k_cache, v_cache)
+        o = attention(step.q, k_cache, v_cache, meta, model.scale,
+                      getattr(layer, "window", 0), softcap)
+        y = step.mm(o.view(rows, -1).to(io_dtype), layer.o_proj)
+        residual_add(step, y, tables.attn_out_norms[i], tables.post_norms[i])
+        gate_up = step.mm(step.x, layer.gate_up)
         act = torch.empty(rows, gate_up.shape[1] // 2, dtype=io_dtype)
-        lib.kvscope_silu_mul(gate_up.data_ptr(), act.data_ptr(), rows, act.shape[1], io)
-        y = mm(act, layer.down)
-        if i + 1 < len(layers):
-            lib.kvscope_add_rms_norm(h.data_ptr(), y.data_ptr(),
-                                     tables.input_norms[i + 1].data_ptr(), eps, x.data_ptr(),
-                                     rows, hidden, io)
-        else:
-            lib.kvscope_add(h.data_ptr(), y.data_ptr(), rows * hidden, io)
-    return h
+        glu = step.lib.kvscope_gelu_tanh_mul if gelu else step.lib.kvscope_silu_mul
+        glu(gate_up.data_ptr(), act.data_ptr(), rows, act.shape[1], step.io)
+        y = step.mm(act, layer.down)
+        residual_add(step, y, tables.mlp_out_norms[i],
+                     tables.input_norms[i + 1] if i + 1 < len(layers) else None)
+    return step.h
+
+
+def rope_write(step: Step, i: int, layer: FusedLayer, qkv: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """q (and k, v into the cache) of layer i: turned by the layer's RoPE tables, after the
+    family's per-head q/k norm, over the first rotary width of a head (the tables' width)."""
+    s, t = step.model.shape, step.tables
+    cos, sin = t.rope(layer)
+    q_norm, k_norm, rot = t.q_norms[i], t.k_norms[i], cos.shape[1]
+    tail = (step.q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), step.slots.data_ptr(),
+            s.num_heads, s.num_kv_heads, s.head_dim, step.cache_bf16, step.io)
+    if q_norm is None and k_norm is None and rot == s.head_dim:
+        step.lib.kvscope_rope_write(qkv.data_ptr(), step.rows, step.positions.data_ptr(),
+                                    cos.data_ptr(), sin.data_ptr(), *tail)
+        return
+    step.lib.kvscope_norm_rope_write(qkv.data_ptr(), step.rows, step.positions.data_ptr(),
+                                     cos.data_ptr(), sin.data_ptr(), rot,
+                                     native.address(q_norm), native.address(k_norm),
+                                     s.rms_norm_eps, *tail)
+
+
+def residual_add(step: Step, y: torch.Tensor, out_norm: torch.Tensor | None,
+                 next_norm: torch.Tensor | None) -> None:
+    """h += y (through gemma's sandwich norm `out_norm` when there is one), then x = the next
+    norm of h (none after the last layer)."""
+    s, lib = step.model.shape, step.lib
+    eps, n, x = s.rms_norm_eps, s.hidden_size, step.x.data_ptr()
+    if out_norm is not None:
+        lib.kvscope_add_normed_rms_norm(step.h.data_ptr(), y.data_ptr(), out_norm.data_ptr(),
+                                        native.address(next_norm), eps,
+                                        x if next_norm is not None else None, step.rows, n,
+                                        step.io)
+    elif next_norm is not None:
+        lib.kvscope_add_rms_norm(step.h.data_ptr(), y.data_ptr(), next_norm.data_ptr(), eps, x,
+                                 step.rows, n, step.io)
+    else:
+        lib.kvscope_add(step.h.data_ptr(), y.data_ptr(), step.rows * n, step.io)

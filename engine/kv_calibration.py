@@ -6,18 +6,18 @@ key after RoPE. Per (layer, KV head): c = the mean key; g = sqrt(rms(q) / rms(k 
 channel, over the group's query heads, normalised to a geometric mean of 1. Both are exact
 transforms whatever their values, so the calibration text only decides how much they help.
 
-The forward mirrors PagedLlama.forward without the paged pool (a full causal SDPA over the
-one sequence); tests/engine/test_k_balance.py checks its keys against the ones the model writes.
+The forward is the model's own layer step over dense attention (engine.model_dense);
+tests/engine/test_k_balance.py checks its keys against the ones the model writes.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
+from kvscope.engine import model_dense
 from kvscope.engine.chat_template import chat_prompt_ids
-from kvscope.engine.model import PagedLlama, apply_rope, rms_norm
+from kvscope.engine.model import PagedLlama
 from kvscope.kernels.k_balance import KBalanceLayer
 
 if TYPE_CHECKING:
@@ -47,30 +47,11 @@ def calibration_ids(tokenizer: PreTrainedTokenizerBase, max_len: int) -> list[in
     return ids[:max_len]
 
 
-@torch.inference_mode()
 def queries_and_keys(model: PagedLlama, token_ids: list[int]
                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (q [T, heads, d], k [T, kv_heads, d]) after RoPE, float32."""
-    s = model.shape
-    ids = torch.tensor(token_ids, device=model.device)
-    positions = torch.arange(len(token_ids), device=model.device)
-    cos, sin = model.cos[positions][:, None, :], model.sin[positions][:, None, :]
-    q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    h = F.embedding(ids, model.embed)
-    out = []
-    for layer in model.layers:
-        qkv = layer.qkv(rms_norm(h, layer.input_norm, s.rms_norm_eps))
-        qk = apply_rope(qkv[:, :q_size + kv_size].view(-1, s.num_heads + s.num_kv_heads,
-                                                        s.head_dim), cos, sin)
-        q, k = qk[:, :s.num_heads], qk[:, s.num_heads:]
-        v = qkv[:, q_size + kv_size:].view(-1, s.num_kv_heads, s.head_dim)
-        out.append((q.float(), k.float()))
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
-                                           v.transpose(0, 1), is_causal=True,
-                                           scale=model.scale, enable_gqa=True)
-        h = h + layer.o_proj(o.transpose(0, 1).reshape(-1, q_size))
-        h = h + model._mlp(layer, rms_norm(h, layer.post_norm, s.rms_norm_eps))
-    return out
+    """Per layer (q [T, heads, d], k [T, kv_heads, d]) after RoPE, float32: the model's own
+    layer step over dense attention (engine.model_dense), whatever its family."""
+    return model_dense.queries_and_keys(model, token_ids)
 
 
 def k_balance_from(q: torch.Tensor, k: torch.Tensor) -> KBalanceLayer:
@@ -93,4 +74,9 @@ def calibrate_k_balance(model: PagedLlama, tokenizer: PreTrainedTokenizerBase, m
                         ) -> list[KBalanceLayer]:
     """Every layer's K balance for this model, on the model's device."""
     ids = calibration_ids(tokenizer, max_len)
-    return [k_balance_from(q, k).to(model.device) for q, k in queries_and_keys(model, ids)]
+    layers = [k_balance_from(q, k).to(model.device) for q, k in queries_and_keys(model, ids)]
+    if model.family.attn_softcap:
+        # A K shift moves a query's scores by one constant: softmax ignores it, a tanh cap
+        # (gemma2) does not. The gains alone stay exact.
+        layers = [KBalanceLayer.of(torch.zeros_like(b.shift), b.gain) for b in layers]
+    return layers

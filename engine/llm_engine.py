@@ -25,16 +25,23 @@ from kvscope.engine.kv_cache import KVPool, kv_bytes_per_token, num_blocks_for_b
 from kvscope.engine.kv_calibration import calibrate_k_balance
 from kvscope.engine.loader import LoadedModel, load_model
 from kvscope.engine.model import PagedLlama
+from kvscope.engine.model_family import layer_windows
 from kvscope.engine.model_runner import ModelRunner
 from kvscope.engine.outputs import RequestOutput, StepResult, TokenDelta
 from kvscope.engine.sampler import make_generator, sample
 from kvscope.engine.sampling_params import SamplingParams
-from kvscope.engine.scheduler import ScheduledSeq, Scheduler
+from kvscope.engine.scheduler import (
+    SCHEDULING_SETTINGS,
+    ScheduledSeq,
+    Scheduler,
+    scheduler_for,
+)
 from kvscope.engine.sequence import Sequence
 from kvscope.engine.weight_formats import resolve_weights
 from kvscope.ipc.messages import EngineStats
 from kvscope.kernels.k_balance import KBalanceLayer
 from kvscope.kernels.rotation import matrix_name
+from kvscope.kvmath.windows import uniform_window
 
 
 def kv_dtype_name(dtype: torch.dtype) -> str:
@@ -43,7 +50,8 @@ def kv_dtype_name(dtype: torch.dtype) -> str:
 
 RECONFIGURABLE = frozenset({"block_size", "kv_dtype", "kv_rotation", "kv_anchor_tokens",
                             "kv_cache_bytes", "num_kv_blocks", "max_num_seqs",
-                            "max_num_batched_tokens", "enable_prefix_caching"})
+                            "max_num_batched_tokens", "enable_prefix_caching",
+                            *SCHEDULING_SETTINGS})
 
 
 class StepRecorder(Protocol):
@@ -83,6 +91,9 @@ class LLMEngine:
             # The model keeps its own (fused, on-device) tensors; nothing needs the loader's
             # host copies any more, and a caller's `loaded` stays theirs to reuse.
             self.loaded = replace(self.loaded, state_dict={})
+        # W when every layer slides the same window W: each running sequence's blocks wholly
+        # behind it are freed every step (BlockManager.free_behind_window). 0: keep them all.
+        self.reclaim_window = uniform_window(layer_windows(hf))
         self.requests: dict[str, Sequence] = {}
         self.num_steps = 0
         self.num_prompt_tokens = 0
@@ -118,10 +129,7 @@ class LLMEngine:
                                     self.kv_rotation, self._k_balance(self.kv_rotation),
                                     cfg.kv_anchor_tokens)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs,
-                                   cfg.max_num_batched_tokens)
-        if previous is not None:
-            self.scheduler.num_preemptions = previous.num_preemptions
+        self.scheduler = scheduler_for(self.block_manager, cfg, previous)
         self.runner = ModelRunner(self.model, self.pool)
 
     def _k_balance(self, rotation: str) -> list[KBalanceLayer] | None:
@@ -149,6 +157,12 @@ class LLMEngine:
             raise ValueError(f"cannot reconfigure {sorted(unknown)} at run time: "
                              f"allowed are {sorted(RECONFIGURABLE)}")
         new = replace(self.config, **changes)  # validates
+        if changes and set(changes) <= SCHEDULING_SETTINGS:  # the pool and queues stay as they are
+            self.config = new
+            self.scheduler.configure_from(new)
+            if self.trace is not None:
+                self.trace.on_reconfigure(self, [])
+            return new
         live = list(self.scheduler.running) + list(self.scheduler.waiting)
         self._check_pool_holds(new, live)
         old, previous = self.config, self.scheduler
@@ -258,6 +272,8 @@ class LLMEngine:
         return self._step()
 
     def _step(self) -> StepResult:
+        if self.reclaim_window:
+            self._free_behind_window()
         batch = self.scheduler.schedule()
         deltas = [TokenDelta(s.request_id, [], "", True, s.finish_reason)
                   for s in self._drain_capacity_finishes()]
@@ -269,6 +285,12 @@ class LLMEngine:
             deltas += self._append_tokens(sampling, sample(logits, sampling))
         self.num_steps += 1
         return StepResult(deltas, batch)
+
+    def _free_behind_window(self) -> None:
+        """Before scheduling, so the step can already allocate the blocks this releases."""
+        bm, window = self.block_manager, self.reclaim_window
+        for seq in self.scheduler.running:
+            bm.free_behind_window(seq, window)
 
     def _drain_capacity_finishes(self) -> list[Sequence]:
         done, self.scheduler.finished_by_capacity = self.scheduler.finished_by_capacity, []

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvscope.engine import model_files
+from kvscope.engine.model_support import check_supported
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -27,6 +28,8 @@ def load_model(model: str, dtype: torch.dtype) -> LoadedModel:
 
     checkpoint = model_files.resolve_checkpoint(model)
     hf_config = AutoConfig.from_pretrained(checkpoint, local_files_only=True)
+    # Before the tokenizer and the weights: a model the engine cannot run loads nothing.
+    check_supported(hf_config)
     tokenizer = model_files.load_tokenizer(checkpoint)
     state_dict = model_files.load_state_dict(checkpoint, dtype)
     return LoadedModel(checkpoint, hf_config, state_dict, tokenizer,

@@ -141,14 +141,24 @@ def _publish(tmp: Path, final: Path) -> None:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Dequantize a GGUF into float32 safetensors plus tokenizer files in out_dir."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Dequantize a GGUF into float32 safetensors plus tokenizer files in out_dir.
 
+    The config is transformers' reading of the file with the fields its reader drops put
+    back from the file's own metadata (engine.gguf_config), so that e.g. a Gemma 2 keeps its
+    logit caps and a Qwen3 its head_dim."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from kvscope.engine.gguf_config import GGUFFacts, check_readable, restore_config
+
+    facts = GGUFFacts(gguf_path)
+    check_readable(facts)
     folder, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    restore_config(config, facts)
     model = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=name, dtype=torch.float32, **_dequantize_kwargs())
+        folder, gguf_file=name, config=config, dtype=torch.float32, **_dequantize_kwargs())
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
 

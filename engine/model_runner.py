@@ -158,9 +158,13 @@ class DecodeGroups(Sequence[DecodeGroup]):
 def pack_fields(ids: list[int], positions: list[int], slots: list[int],
                 tables: list[list[int]]) -> tuple[torch.Tensor, int]:
     """ids + positions + slots + the block tables zero-padded to one width, as one int64
-    CPU tensor (and that width). One flat list, one array('q') and torch.frombuffer was the
-    cheapest way from Python ints to a tensor measured: torch.tensor on the same list costs
-    ~4x more, extending an array table by table ~1.5x."""
+    CPU tensor (and that width). A table's -1 entries (blocks freed behind a sliding window,
+    BlockManager.free_behind_window) stay -1: the kernels never read them, and no slot of
+    the step lies in one (they end before the first query's window).
+
+    One flat list, one array('q') and torch.frombuffer was the cheapest way from Python ints
+    to a tensor measured: torch.tensor on the same list costs ~4x more, extending an array
+    table by table ~1.5x."""
     width = max(map(len, tables))
     zeros = [0] * width
     flat = ids + positions + slots

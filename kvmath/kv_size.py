@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvscope.kvmath.windows import layer_windows, window_summary
+
 KV_DTYPES = ("float32", "float16", "bfloat16", "int8", "fp8")  # canonical names, aliases below
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
                "int8": 1, "fp8": 1}
@@ -20,9 +22,22 @@ class KVSize:
     head_dim: int
     dtype: str
     bytes_per_token: int
+    windowed_layers: int = 0
+    window: int = 0
 
     def total_bytes(self, tokens: int) -> int:
+        """Every one of `tokens` tokens' K and V (many sequences, or one with no window)."""
         return self.bytes_per_token * tokens
+
+    @property
+    def shape(self) -> ModelShape:
+        return ModelShape(self.layers, self.kv_heads, self.head_dim, self.windowed_layers,
+                          self.window)
+
+    def sequence_bytes(self, tokens: int) -> int:
+        """What one sequence of `tokens` keeps: capped at the window for an all-windowed
+        model."""
+        return self.bytes_per_token * sequence_tokens_held(self.shape, tokens)
 
 
 def load_config(source: str | dict[str, Any]) -> dict[str, Any]:
@@ -54,15 +69,71 @@ class ModelShape:
     layers: int
     kv_heads: int
     head_dim: int
+    # Layers attending through a sliding window (kvmath.windows) and that window; 0, 0: none.
+    windowed_layers: int = 0
+    window: int = 0
+
+    @property
+    def all_windowed(self) -> bool:
+        """Every layer slides the same window: the engine frees blocks behind it."""
+        return self.window > 0 and self.windowed_layers == self.layers
+
+    @property
+    def mixed_windows(self) -> bool:
+        """Some layers slide a window and some attend globally (Gemma 2/3, partly windowed
+        Qwen2): the engine keeps one full block table for every layer."""
+        return self.window > 0 and 0 < self.windowed_layers < self.layers
 
 
 def shape_from_config(config: dict[str, Any]) -> ModelShape:
-    """From a Hugging Face config.json dict (text_config for multimodal ones)."""
+    """From a Hugging Face config.json dict (text_config for multimodal ones). head_dim is
+    the config's own when it has one (Qwen3, Gemma: num_heads x head_dim != hidden_size)."""
     cfg = config.get("text_config", config)
     heads = cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads") or heads
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    return ModelShape(int(cfg["num_hidden_layers"]), int(kv_heads), int(head_dim))
+    windowed, window = window_summary(layer_windows(cfg))
+    return ModelShape(int(cfg["num_hidden_layers"]), int(kv_heads), int(head_dim),
+                      windowed, window)
+
+
+def sequence_tokens_held(shape: ModelShape, tokens: int) -> int:
+    """KV tokens one sequence of `tokens` keeps: capped at the window when every layer slides
+    it (the engine frees what lies behind), all of them otherwise."""
+    return min(tokens, shape.window) if shape.all_windowed else tokens
+
+
+def sequence_blocks(shape: ModelShape, tokens: int, block_size: int) -> int:
+    """Blocks one sequence of `tokens` holds at most while it decodes. All-windowed: the
+    window's keys plus the one being written span at most ceil((W - 1) / bs) + 1 blocks."""
+    full = -(-max(1, tokens) // block_size)
+    if not shape.all_windowed:
+        return full
+    return min(full, -(-(shape.window - 1) // block_size) + 1)
+
+
+def reclamation_saving(shape: ModelShape, tokens: int) -> float:
+    """For a mixed model, the fraction of its KV that freeing blocks per layer (not done:
+    one block table serves every layer) would save on a `tokens`-long sequence: the
+    windowed layers' share times what lies behind their window, (1 - W / tokens)."""
+    if not shape.mixed_windows or tokens <= shape.window:
+        return 0.0
+    return shape.windowed_layers / shape.layers * (1 - shape.window / tokens)
+
+
+def window_note(shape: ModelShape, tokens: int) -> str:
+    """One sentence on what sliding windows mean for the KV of a `tokens`-long sequence
+    ("" for a model without them)."""
+    if shape.all_windowed:
+        return (f"every layer slides a {shape.window:,}-token window: a sequence's KV is "
+                f"capped at {shape.window:,} tokens (blocks behind the window are freed), "
+                f"here {sequence_tokens_held(shape, tokens):,} of {tokens:,}")
+    if shape.mixed_windows:
+        return (f"{shape.windowed_layers} of {shape.layers} layers slide a "
+                f"{shape.window:,}-token window; the engine keeps full block tables for "
+                f"mixed models: per-layer reclamation would save "
+                f"{100 * reclamation_saving(shape, tokens):.1f}% at {tokens:,} tokens")
+    return ""
 
 
 def check_dtype(dtype: str) -> None:
@@ -83,7 +154,8 @@ def kv_size(config: dict[str, Any], dtype: str, with_scales: bool = True) -> KVS
     check_dtype(dtype)
     shape = shape_from_config(config)
     per_token = bytes_per_token(shape, dtype, with_scales)
-    return KVSize(shape.layers, shape.kv_heads, shape.head_dim, dtype, per_token)
+    return KVSize(shape.layers, shape.kv_heads, shape.head_dim, dtype, per_token,
+                  shape.windowed_layers, shape.window)
 
 
 def human_bytes(n: float) -> str:

@@ -83,7 +83,8 @@ def block_indices(frame, selected: str | None = None,
         mine = np.zeros(frame.num_blocks, bool)
         i = frame.request_ids.index(selected)
         offsets = frame.array("table_offsets")
-        mine[frame.array("tables")[offsets[i]:offsets[i + 1]]] = True
+        table = frame.array("tables")[offsets[i]:offsets[i + 1]]
+        mine[table[table >= 0]] = True  # -1: freed behind a sliding window
         idx[~mine] += colors.DIM_OFFSET
     elif highlight is not None:
         mine = np.zeros(frame.num_blocks, bool)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from PySide6.QtCore import QAbstractTableModel, QModelIndex, Qt
 
-from kvscope.app.blocks.history import CACHED, EVICTED, FREED, REUSED
+from kvscope.app.blocks.history import BEHIND_WINDOW, CACHED, EVICTED, FREED, REUSED
 
 # Narrow headers: the map's side panel is about 200 px wide; the tooltips spell them out.
 HEADERS = ("#", "block", "filled", "state")
@@ -17,10 +17,13 @@ HEADER_TIPS = {"#": "logical block index in the request (token position / block 
                "state": "what the block is now", "request": "a request that held the block"}
 LIVE = 0  # a live request's block; the finished ones' states come from history
 # Short enough for the map's narrow side panel; the tooltip says it in full.
-STATE_TEXT = {CACHED: "cached", REUSED: "reused", EVICTED: "evicted", FREED: "freed"}
+STATE_TEXT = {CACHED: "cached", REUSED: "reused", EVICTED: "evicted", FREED: "freed",
+              BEHIND_WINDOW: "freed (window)"}
 STATE_TIPS = {
     CACHED: "still in the prefix cache with this request's content (free, reusable)",
     EVICTED: "taken for other content since: this request's KV is gone from it",
+    BEHIND_WINDOW: "freed while the request ran: every layer's sliding window had moved past "
+                   "it, so no query can attend to it again",
     FREED: "had no content hash when last seen (a partial block or a private copy), so it "
            "was freed, not cached, when the request ended"}
 
@@ -86,13 +89,16 @@ class BlockTableModel(QAbstractTableModel):
         if col == 0:
             return str(row)
         if col == 1:
-            return str(int(self.physical[row]))
+            block = int(self.physical[row])
+            return "—" if block < 0 else str(block)
         if col == 2:
             return f"{int(self.filled[row])}/{self.block_size}"
         return self.state_text(row)
 
     def state_text(self, row: int) -> str:
         state = int(self.state[row])
+        if self.physical[row] < 0:
+            state = BEHIND_WINDOW
         if state == LIVE:
             ref = int(self.ref[row])
             return f"shared ×{ref}" if ref > 1 else "in use"
@@ -102,6 +108,8 @@ class BlockTableModel(QAbstractTableModel):
         if self.text_rows is not None:
             return " · ".join(self.text_rows[row])
         state = int(self.state[row])
+        if self.physical[row] < 0:
+            state = BEHIND_WINDOW
         if state == LIVE:
             ref = int(self.ref[row])
             return f"in {ref} requests' block tables (a shared prefix)" if ref > 1 else \

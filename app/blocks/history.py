@@ -27,6 +27,9 @@ FINISHED_KEPT = 512  # finished requests remembered, oldest dropped first
 
 # What a finished request's block is now (BlockTableModel shows the names).
 CACHED, REUSED, EVICTED, FREED = 1, 2, 3, 4
+# A table entry of -1: the block was freed as a sliding window (every layer windowed) moved
+# past it, while the request ran.
+BEHIND_WINDOW = 5
 NO_HASH, HASH_UNKNOWN = -1, -2  # remembered tags: not cacheable; hashed, frame had no tags
 
 
@@ -103,9 +106,11 @@ class RequestHistory:
         for rid in request_ids:
             i = index[rid]
             physical = tables[offsets[i]:offsets[i + 1]].astype(np.int32)
+            gone = physical < 0
+            at = np.where(gone, 0, physical)
             self.finished[rid] = Remembered(
-                rid, physical, filled[physical].astype(np.int32), tags[physical],
-                int(frame.num_tokens[i]), int(frame.step))
+                rid, physical, np.where(gone, 0, filled[at]).astype(np.int32),
+                np.where(gone, NO_HASH, tags[at]), int(frame.num_tokens[i]), int(frame.step))
             self.finished.move_to_end(rid)
         while len(self.finished) > self.limit:
             self.finished.popitem(last=False)
@@ -116,15 +121,17 @@ class RequestHistory:
         if r is None:
             return None
         tagged = _has_tags(frame)
-        flags = frame.array("flags")[r.physical]
+        gone = r.physical < 0
+        at = np.where(gone, 0, r.physical)
+        flags = frame.array("flags")[at]
         same = (r.tags != NO_HASH) & ((flags & BLOCK_HAS_HASH) != 0)
         if tagged:
             known = r.tags >= 0
-            same &= ~known | (frame.block_tags()[r.physical] == r.tags)
+            same &= ~known | (frame.block_tags()[at] == r.tags)
         exact = tagged and not bool(np.any(r.tags == HASH_UNKNOWN))
         in_use = (flags & BLOCK_STATE_MASK) == BLOCK_USED
-        states = np.where(r.tags == NO_HASH, FREED,
-                          np.where(same, np.where(in_use, REUSED, CACHED), EVICTED))
+        states = np.where(gone, BEHIND_WINDOW, np.where(
+            r.tags == NO_HASH, FREED, np.where(same, np.where(in_use, REUSED, CACHED), EVICTED)))
         return FinishedView(r, states.astype(np.int8), exact)
 
     def holders(self, frame, block: int) -> list[Holder]:

@@ -16,7 +16,11 @@ from kvscope.kvmath.kv_size import (  # noqa: F401 - ModelShape and the rest are
     KV_DTYPES,
     ModelShape,
     bytes_per_token,
+    reclamation_saving,
+    sequence_blocks,
+    sequence_tokens_held,
     shape_from_config,
+    window_note,
 )
 
 # The calculator offers the canonical dtype names only (kv_size also takes aliases: bf16, fp16).
@@ -129,9 +133,15 @@ def blocks_per_request(length: int, block_size: int) -> int:
     return -(-max(1, int(length)) // block_size)
 
 
+def request_blocks(shape: ModelShape, length: int, block_size: int) -> int:
+    """Blocks a request of `length` tokens holds: ceil(length / block_size), or for a model
+    whose every layer slides a window W, no more than its window spans (kvmath)."""
+    return sequence_blocks(shape, length, block_size)
+
+
 def concurrent_requests(available_bytes: int, shape: ModelShape, dtype: str, block_size: int,
                         length: int) -> int:
     """Requests of `length` tokens (prompt + reply) that fit at once: each holds
-    ceil(length / block_size) whole blocks (no prefix sharing assumed)."""
+    request_blocks whole blocks (no prefix sharing assumed)."""
     blocks = fit(available_bytes, shape, dtype, block_size).blocks
-    return blocks // blocks_per_request(length, block_size)
+    return blocks // request_blocks(shape, length, block_size)

@@ -41,6 +41,15 @@ class KVCalculatorPanel(QWidget):
         self.layers = _spin(1, 1000, 30)
         self.kv_heads = _spin(1, 1024, 3)
         self.head_dim = _spin(1, 4096, 64)
+        # Sliding windows (from a config.json; 0 = global attention everywhere).
+        self.window = _spin(0, 10_000_000, 0)
+        self.window.setToolTip("sliding window in tokens (0: every layer attends globally)")
+        self.windowed_layers = _spin(0, 1000, 0)
+        self.windowed_layers.setToolTip("layers that slide the window; all of them: the "
+                                        "engine frees blocks behind it")
+        self.window_info = QLabel()
+        self.window_info.setObjectName("kvWindowNote")
+        self.window_info.setWordWrap(True)
         self.dtype = QComboBox()
         self.dtype.addItems(list(kv_math.DTYPE_BYTES))
         self.dtype.setCurrentText("bfloat16")
@@ -61,9 +70,12 @@ class KVCalculatorPanel(QWidget):
         form.addRow("layers", self.layers)
         form.addRow("KV heads", self.kv_heads)
         form.addRow("head dim", self.head_dim)
+        form.addRow("sliding window", self.window)
+        form.addRow("windowed layers", self.windowed_layers)
         form.addRow("KV dtype", self.dtype)
         form.addRow("context length", self.context)
         form.addRow(self.per_token)
+        form.addRow(self.window_info)
         form.addRow(self.accuracy)
         form.addRow(self.engine_note)
 
@@ -103,8 +115,8 @@ class KVCalculatorPanel(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self.scroll)
-        for w in (self.layers, self.kv_heads, self.head_dim, self.context, self.requests,
-                  self.mean, self.seed):
+        for w in (self.layers, self.kv_heads, self.head_dim, self.window,
+                  self.windowed_layers, self.context, self.requests, self.mean, self.seed):
             w.valueChanged.connect(self.recompute)
         for w in (self.dtype, self.dist, self.block_size):
             w.currentTextChanged.connect(self.recompute)
@@ -161,6 +173,8 @@ class KVCalculatorPanel(QWidget):
         self.layers.setValue(shape.layers)
         self.kv_heads.setValue(shape.kv_heads)
         self.head_dim.setValue(shape.head_dim)
+        self.window.setValue(shape.window)
+        self.windowed_layers.setValue(shape.windowed_layers)
 
     def other_model(self) -> str | None:
         """The preset chosen when it is not the model the engine runs (None otherwise)."""
@@ -180,16 +194,22 @@ class KVCalculatorPanel(QWidget):
                 f"the running engine); {other} may differ")
 
     def shape(self) -> kv_math.ModelShape:
+        window = self.window.value()
+        windowed = min(self.windowed_layers.value(), self.layers.value()) if window else 0
         return kv_math.ModelShape(self.layers.value(), self.kv_heads.value(),
-                                  self.head_dim.value())
+                                  self.head_dim.value(), windowed, window if windowed else 0)
 
     # -- results ----------------------------------------------------------------------------
     def recompute(self) -> None:
         dtype = self.dtype.currentText()
         per = kv_math.bytes_per_token(self.shape(), dtype)
         ctx = self.context.value()
+        shape = self.shape()
+        held = kv_math.sequence_tokens_held(shape, ctx)
         self.per_token.setText(f"<b>{human_bytes(per)}</b> per token ({per:,} B) · "
-                               f"<b>{human_bytes(per * ctx)}</b> for {ctx:,} tokens")
+                               f"<b>{human_bytes(per * held)}</b> for {ctx:,} tokens")
+        self.window_info.setText(kv_math.window_note(shape, ctx))
+        self.window_info.setVisible(bool(self.window_info.text()))
         self.accuracy.setText(self.accuracy_note(dtype))
         if self.engine_bytes_per_token:
             self.engine_note.setText(f"the running engine reports "

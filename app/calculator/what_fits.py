@@ -203,7 +203,7 @@ class WhatFitsBox(QGroupBox):
         for r, (_label, dtypes) in enumerate(FIT_ROWS):
             for c, bs in enumerate(kv_math.FIT_BLOCK_SIZES):
                 f = table[dtypes[0]][bs]
-                n = f.blocks // kv_math.blocks_per_request(length, bs)
+                n = f.blocks // kv_math.request_blocks(self.shape, length, bs)
                 item = self.table.item(r, c)
                 _set_text(item, _count(n) if show_requests else _count(f.tokens))
                 is_engine = self.engine_kv_dtype in dtypes and self.engine_block_size == bs
@@ -228,8 +228,10 @@ class WhatFitsBox(QGroupBox):
         if self.engine_max_seqs is not None and n > self.engine_max_seqs:
             cap = (f"; the engine runs at most {self.engine_max_seqs:,} at once "
                    f"(max sequences)")
+        note = kv_math.window_note(self.shape, length)
         _set_text(self.line, f"<b>{n:,}</b> concurrent requests of {length:,} tokens at "
-                             f"{name}, block {bs} ({tokens:,} tokens in all){cap}")
+                             f"{name}, block {bs} ({tokens:,} tokens in all){cap}"
+                             + (f"<br>{note}" if note else ""))
 
     def _select_default_cell(self) -> None:
         dtype, bs = self._default_cell()

@@ -5,7 +5,14 @@ import argparse
 import json
 import sys
 
-from kvscope.kvmath.kv_size import human_bytes, kv_size, load_config
+from kvscope.kvmath.kv_size import (
+    human_bytes,
+    kv_size,
+    load_config,
+    reclamation_saving,
+    sequence_tokens_held,
+    window_note,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -13,7 +20,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     calc = sub.add_parser("kv-calc", help="KV bytes per token and in total for a model config",
                           description="KV cache bytes per token (2 x layers x KV heads x head "
                                       "dim x bytes) and for --tokens tokens, from a Hugging "
-                                      "Face config; no model is loaded.")
+                                      "Face config; no model is loaded. Sliding-window "
+                                      "layers are reported: an all-windowed model's "
+                                      "sequence keeps at most its window.")
     calc.add_argument("--config", required=True,
                       help="config.json, a checkpoint folder or an inline JSON object")
     calc.add_argument("--dtype", default="bf16",
@@ -29,13 +38,23 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, KeyError, OSError) as exc:
         print(f"kvscope kv-calc: error: {exc}", file=sys.stderr)
         return 2
-    total = size.total_bytes(args.tokens)
+    tokens, shape = args.tokens, size.shape
+    total = size.total_bytes(tokens)
     if args.json:
         print(json.dumps({"bytes_per_token": size.bytes_per_token, "total_bytes": total,
-                          "tokens": args.tokens, "dtype": args.dtype, "layers": size.layers,
-                          "kv_heads": size.kv_heads, "head_dim": size.head_dim}))
+                          "tokens": tokens, "dtype": args.dtype, "layers": size.layers,
+                          "kv_heads": size.kv_heads, "head_dim": size.head_dim,
+                          "windowed_layers": size.windowed_layers, "window": size.window,
+                          "sequence_tokens_held": sequence_tokens_held(shape, tokens),
+                          "sequence_bytes": size.sequence_bytes(tokens),
+                          "reclamation_saving": reclamation_saving(shape, tokens)}))
     else:
         print(f"{size.layers} layers x {size.kv_heads} KV heads x {size.head_dim} dims, "
               f"{args.dtype}: {human_bytes(size.bytes_per_token)} per token, "
-              f"{human_bytes(total)} for {args.tokens:,} tokens")
+              f"{human_bytes(total)} for {tokens:,} tokens")
+        note = window_note(shape, tokens)
+        if note:
+            if shape.all_windowed:
+                note += f" ({human_bytes(size.sequence_bytes(tokens))} per sequence)"
+            print(note)
     return 0

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from kvscope.engine import __version__
+from kvscope.engine.block_manager import FREED
 from kvscope.engine.llm_engine import LLMEngine, kv_dtype_name
 from kvscope.engine.outputs import StepResult, TokenDelta
 from kvscope.engine.sequence import Sequence
@@ -79,16 +80,16 @@ class TraceRecorder:
 
     def on_abort(self, seq: Sequence) -> None:
         t = self._t()
-        if seq.block_table:
-            self._write(Free(t=t, id=seq.request_id, blocks=list(seq.block_table)))
+        if held(seq.block_table):
+            self._write(Free(t=t, id=seq.request_id, blocks=held(seq.block_table)))
         self._write(Abort(t=t, id=seq.request_id))
 
     def on_reconfigure(self, engine: LLMEngine, live: Iterable[Sequence]) -> None:
         """Called after the new pool is built, before the live requests drop their blocks."""
         t = self._t()
         for seq in live:
-            if seq.block_table:
-                self._write(Free(t=t, id=seq.request_id, blocks=list(seq.block_table)))
+            if held(seq.block_table):
+                self._write(Free(t=t, id=seq.request_id, blocks=held(seq.block_table)))
         bm = engine.block_manager
         self._write(Reconfigure(t=t, config=engine.config.to_dict(),
                                 kv_dtype=kv_dtype_name(engine.kv_dtype),
@@ -109,7 +110,8 @@ class TraceRecorder:
         lines: list[Event] = []
         if result.scheduled or result.outputs:
             lines.append(_step_line(engine, result, t, end - start))
-        lines += _block_lines(before, t)
+        reasons = {p.request_id: p.reason for p in sched.last_preemptions}
+        lines += _block_lines(before, t, reasons)
         lines += _token_lines(result.outputs, self._t(end))
         self._out.write(lines)
         return result
@@ -132,20 +134,33 @@ def _step_line(engine: LLMEngine, result: StepResult, t: float, dur: float) -> S
                 running=len(sched.running), waiting=len(sched.waiting))
 
 
-def _block_lines(before: dict[str, _Held], t: float) -> list[Event]:
-    """Preemptions, frees and allocations, from each block table before and after the step
-    (the block manager does not report them)."""
+def _block_lines(before: dict[str, _Held], t: float,
+                 reasons: dict[str, str] | None = None) -> list[Event]:
+    """Preemptions (with the scheduler's reason, `reasons` by request id), frees and
+    allocations, from each block table before and after the step (the block manager does
+    not report them)."""
     lines: list[Event] = []
     for rid, (old, preemptions, seq) in before.items():
         new = seq.block_table
         if seq.num_preemptions > preemptions:
-            lines.append(Preempt(t=t, id=rid))
-        if old != new[:len(old)]:  # freed (preempted or finished), maybe re-allocated
-            lines.append(Free(t=t, id=rid, blocks=old))
+            lines.append(Preempt(t=t, id=rid, reason=(reasons or {}).get(rid, "")))
+        pairs = list(zip(old, new, strict=False))
+        if len(new) >= len(old) and all(now in (b, FREED) for b, now in pairs):
+            behind = [b for b, now in pairs if b != now]
+            if behind:  # left behind a sliding window: only those blocks went back
+                lines.append(Free(t=t, id=rid, blocks=behind))
+        else:  # freed (preempted or finished), maybe re-allocated
+            if held(old):
+                lines.append(Free(t=t, id=rid, blocks=held(old)))
             old = []
-        if len(new) > len(old):
-            lines.append(Alloc(t=t, id=rid, blocks=new[len(old):]))
+        if len(new) > len(old) and held(new[len(old):]):
+            lines.append(Alloc(t=t, id=rid, blocks=held(new[len(old):])))
     return lines
+
+
+def held(table: list[int]) -> list[int]:
+    """The blocks of a table, without the entries freed behind a sliding window."""
+    return [b for b in table if b != FREED]
 
 
 def _token_lines(deltas: list[TokenDelta], t: float) -> list[Event]:

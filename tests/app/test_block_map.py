@@ -260,3 +260,23 @@ def test_the_longest_totals_text_fits_its_label_and_the_panel_scrolls(qtbot):
     assert area.widget().height() >= area.widget().minimumHeight()
     assert area.verticalScrollBar().maximum() > 0  # the panel scrolls
     assert area.horizontalScrollBar().maximum() == 0  # never sideways
+
+
+def test_blocks_freed_behind_a_sliding_window_show_as_gone_not_as_the_last_block(qtbot):
+    """A table entry of -1 (the engine freed it as every layer's window moved past it) is no
+    block: the last block of the pool is not marked as the request's, and the table says the
+    entry left behind the window, live and after the request finished."""
+    frame = blocks_frame(64, 16, {"req-a": [-1, -1, 7, 8], "req-b": [63]}, filled={8: 5})
+    bm = make(qtbot, frame)
+    bm.select_request("req-a")
+    bm.refresh()
+    bm.refresh_labels()
+    assert bm.table_model.rows() == [("0", "—", "0/16"), ("1", "—", "0/16"),
+                                      ("2", "7", "16/16"), ("3", "8", "5/16")]
+    assert bm.table_model.states()[:2] == ["freed (window)"] * 2
+    assert bm.table_model.states()[2:] == ["in use", "in use"]
+    top = colors.FILL_LEVELS - 1
+    assert rgb_at(bm, 63) == dimmed(scaled(colors.request_rgb("req-b"), top))
+    bm.show_blocks(blocks_frame(64, 16, {"req-b": [63]}, seq=2))
+    bm.refresh_labels()
+    assert bm.table_model.states() == ["freed (window)", "freed (window)", "freed", "freed"]

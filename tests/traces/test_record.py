@@ -202,3 +202,28 @@ def test_reconfigure_mid_session_frees_blocks_and_is_recorded(model, tmp_path):
             assert ev.blocks == held[:len(ev.blocks)]
             held = held[len(ev.blocks):]
     assert held == [] and len(outputs_of(trace)[rid]) == 6
+
+
+def test_blocks_freed_behind_a_sliding_window_are_recorded_as_partial_frees(tmp_path):
+    """A model whose every layer is windowed frees blocks as the window moves on: the trace
+    says which ones went back (never a -1 table entry), and allocs and frees still balance."""
+    model = save_tiny_model(tmp_path / "mistral", "mistral", seed=0, sliding_window=8)
+    path = tmp_path / "w.jsonl"
+    record(model, path, num_kv_blocks=64)
+    trace = read_trace(path)
+    held: dict[str, list[int]] = {}
+    partial = 0
+    for ev in trace.events:
+        if isinstance(ev, Alloc | Free):
+            assert all(b >= 0 for b in ev.blocks), ev
+        if isinstance(ev, Alloc):
+            held.setdefault(ev.id, []).extend(ev.blocks)
+        elif isinstance(ev, Free):
+            mine = held[ev.id]
+            assert set(ev.blocks) <= set(mine), (ev, mine)
+            partial += len(ev.blocks) < len(mine)
+            held[ev.id] = [b for b in mine if b not in ev.blocks]
+            if not held[ev.id]:
+                del held[ev.id]
+    assert partial > 0  # the window freed blocks while requests ran
+    assert held == {}
