@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+import msgspec
 from PySide6.QtCore import QObject, QThread, QTimer, Signal, Slot
 
 from kvscope.ipc import EngineClient, EngineError, EngineTimeout
@@ -33,7 +34,7 @@ class Mailbox:
 
     def put_frame(self, topic: str, frame) -> None:
         with self._lock:
-            self._frames[topic] = frame
+            self._frames[topic] = carry_preemptions(self._frames.get(topic), frame)
             self.frames_in += 1
 
     def put_delta(self, delta) -> None:
@@ -50,6 +51,19 @@ class Mailbox:
             frames, self._frames = self._frames, {}
             deltas, self._deltas = self._deltas, []
         return frames, deltas
+
+
+MAX_CARRIED_PREEMPTIONS = 256
+
+
+def carry_preemptions(replaced, frame):
+    """A blocks frame replaced before the window saw it hands its preemptions on to the newer
+    one: they happened between frames and exist nowhere else (the map flashes them)."""
+    old = getattr(replaced, "preemptions", None)
+    if not old:
+        return frame
+    merged = (list(old) + list(frame.preemptions))[-MAX_CARRIED_PREEMPTIONS:]
+    return msgspec.structs.replace(frame, preemptions=merged)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
-"""What persists between runs (QSettings): window geometry and layout, chat sampling, the
-plots' time window, the load generator and the KV calculator inputs."""
+"""What persists between runs (QSettings): window geometry and layout, chat sampling and its
+Interactive (priority) toggle, the plots' time window, the load generator and the KV
+calculator inputs."""
 from __future__ import annotations
 
 from PySide6.QtCore import QSettings
-from PySide6.QtWidgets import QComboBox, QDoubleSpinBox, QSpinBox
+from PySide6.QtWidgets import QCheckBox, QComboBox, QDoubleSpinBox, QSpinBox
 
 ORGANIZATION, APPLICATION = "kvscope", "kvscope"
 
@@ -39,6 +40,7 @@ def _widgets(window) -> dict[str, object]:
     lg, kv = window.load_panel, window.kv_calculator
     return {
         "chat/max_tokens": window.chat.max_tokens, "chat/temperature": window.chat.temperature,
+        "chat/interactive": window.chat.interactive,
         "plots/window": window.plots.window,
         "load/rate": lg.rate, "load/concurrency": lg.concurrency, "load/seed": lg.seed,
         "load/prompt_min": lg.prompt_min, "load/prompt_max": lg.prompt_max,
@@ -60,7 +62,7 @@ def save(window, s: QSettings) -> None:
     s.setValue("window/history_splitter", window.history_splitter.saveState())
     s.setValue("window/side_tab", window.side_tabs.currentIndex())
     for key, w in _widgets(window).items():
-        s.setValue(key, w.currentText() if isinstance(w, QComboBox) else w.value())
+        s.setValue(key, _value_of(w))
     s.sync()
 
 
@@ -108,9 +110,28 @@ def restore(window, s: QSettings) -> None:
         try:
             if isinstance(w, QComboBox):
                 w.setCurrentText(str(value))
+            elif isinstance(w, QCheckBox):
+                w.setChecked(_as_bool(value))
             elif isinstance(w, QDoubleSpinBox):
                 w.setValue(float(value))
             elif isinstance(w, QSpinBox):
                 w.setValue(int(value))
         except (TypeError, ValueError):
             pass  # a corrupt value: keep the default
+
+
+def _value_of(widget) -> object:
+    if isinstance(widget, QComboBox):
+        return widget.currentText()
+    if isinstance(widget, QCheckBox):
+        return widget.isChecked()
+    return widget.value()
+
+
+def _as_bool(value) -> bool:
+    """QSettings gives a bool back as "true"/"false" from an INI file, a bool otherwise."""
+    if isinstance(value, str):
+        if value.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(value)
+        return value.lower() in ("true", "1")
+    return bool(value)

@@ -1,5 +1,6 @@
-"""Engine status: device, model, dtypes, block size, blocks, and alive / idle / dead from the
-heartbeat. A few times a second it checks how long ago the last heartbeat came."""
+"""Engine status: device, model, dtypes, block size, blocks, preemptions by reason, a notice
+when the model runs off the fast decode path, and alive / idle / dead from the heartbeat. A
+few times a second it checks how long ago the last heartbeat came."""
 from __future__ import annotations
 
 import time
@@ -16,6 +17,12 @@ from kvscope.ipc.messages import EngineStats, HelloResult, StatsFrame
 DEAD_AFTER_S = 3.0
 CHECK_MS = 250
 STATES = ("connecting", "alive", "idle", "busy", "dead")
+REASON_ORDER = ("memory", "priority")  # then any other reason, by name
+PREEMPTION_TIP = (
+    "Running requests the scheduler preempted since the engine started, by reason. memory: "
+    "the KV pool ran dry and a running request gave its blocks back; priority: a more urgent "
+    "waiting request displaced it (scheduling: priority). A preempted request is recomputed "
+    "later (prefix-cache hits spare part of that).")
 
 
 class EngineStatusBar(QStatusBar):
@@ -35,6 +42,13 @@ class EngineStatusBar(QStatusBar):
         # Elides: a long death reason or model path must not widen the window (issue 23, 4).
         self.engine_label = ElidedLabel("engine: starting…")
         self.blocks_label = QLabel("")
+        self.preemptions_label = QLabel("")
+        self.preemptions_label.setObjectName("preemptionsLabel")
+        self.preemptions_label.hide()
+        # The engine's decode-path notice (EngineSettings.decode_path_notice): one line, elided.
+        self.notice_label = ElidedLabel("")
+        self.notice_label.setObjectName("decodeNotice")
+        self.notice_label.hide()
         self.metrics_label = QLabel("")
         self.metrics_label.setObjectName("metricsLabel")
         self.metrics_label.setTextInteractionFlags(
@@ -59,8 +73,10 @@ class EngineStatusBar(QStatusBar):
         self.addWidget(self.state_label)
         self.addWidget(self.mode_label)
         self.addWidget(self.engine_label, 1)
+        self.addWidget(self.notice_label, 1)
         self.addPermanentWidget(self.stream_label)
         self.addPermanentWidget(self.metrics_label)
+        self.addPermanentWidget(self.preemptions_label)
         self.addPermanentWidget(self.blocks_label)
         self.addPermanentWidget(self.restart_button)
         self.timer = QTimer(self)
@@ -97,6 +113,7 @@ class EngineStatusBar(QStatusBar):
                                       "(Open WebUI, editors, scripts) can use the API URL"
                                       if parts else "")
         self.metrics_label.setVisible(bool(parts))
+        self.show_notice(hello.config)
 
     def show_heartbeat(self, hb) -> None:
         self.last_heartbeat = self.clock()
@@ -114,6 +131,29 @@ class EngineStatusBar(QStatusBar):
         http = stats.server.http_in_flight
         self.blocks_label.setText(f"blocks {e.num_free_blocks} free / {e.num_kv_blocks} total"
                                   + (f" · {http} via HTTP" if http else ""))
+        self.show_preemptions(getattr(stats, "preemptions_by_reason", None) or {},
+                              getattr(stats, "recomputed_tokens", 0))
+        self.show_notice(stats.config)
+
+    def show_preemptions(self, by_reason: dict[str, int], recomputed_tokens: int = 0) -> None:
+        """"preempted: 3 memory · 1 priority" (hidden until the first preemption)."""
+        text = preemptions_text(by_reason)
+        if text != self.preemptions_label.text():
+            self.preemptions_label.setText(text)
+        tip = PREEMPTION_TIP + (f" Tokens recomputed so far: {recomputed_tokens:,}."
+                                if recomputed_tokens else "")
+        if tip != self.preemptions_label.toolTip():
+            self.preemptions_label.setToolTip(tip)
+        self.preemptions_label.setVisible(bool(text))
+
+    def show_notice(self, config) -> None:
+        """The engine's decode-path notice (an engine without the field: none)."""
+        notice = getattr(config, "decode_path_notice", "") or ""
+        text = f"⚠ {notice}" if notice else ""
+        if text != self.notice_label.text():
+            self.notice_label.setText(text)
+            self.notice_label.setToolTip(notice)
+        self.notice_label.setVisible(bool(text))
 
     def show_stream(self, counts, fps: float) -> None:
         """The state stream's counts (app.bridge.StreamCounts) and the window's frame rate."""
@@ -158,6 +198,15 @@ class EngineStatusBar(QStatusBar):
         if state != self.state:
             self.state = state
             self.stateChanged.emit(state)
+
+
+def preemptions_text(by_reason: dict[str, int]) -> str:
+    """"preempted: 3 memory · 1 priority"; "" when nothing was preempted."""
+    counts = {r: n for r, n in by_reason.items() if n > 0}
+    if not counts:
+        return ""
+    order = [r for r in REASON_ORDER if r in counts] + sorted(set(counts) - set(REASON_ORDER))
+    return "preempted: " + " · ".join(f"{counts[r]} {r}" for r in order)
 
 
 def model_name(model: str) -> str:

@@ -9,6 +9,10 @@ def _fail(name: str, value: object, allowed: str) -> NoReturn:
     raise ValueError(f"SamplingParams.{name}={value!r} is invalid: expected {allowed}")
 
 
+# The range of a 32-bit signed int, as vLLM's priority travels in its protobuf/JSON clients.
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 64
@@ -19,6 +23,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Lower is sooner, as vLLM's; counts only under scheduling_policy="priority".
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -42,6 +48,9 @@ class SamplingParams:
             _fail("stop", self.stop, "a list of non-empty strings")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             _fail("stop_token_ids", self.stop_token_ids, "a list of token ids")
+        if not _is_int(self.priority) or not PRIORITY_MIN <= self.priority <= PRIORITY_MAX:
+            _fail("priority", self.priority,
+                  f"an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}] (lower = sooner)")
 
     @property
     def greedy(self) -> bool:

@@ -34,6 +34,10 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     first_token_time: float | None = None
+    # When the scheduler first gave it a step (queue time = this - arrival_time).
+    first_scheduled_time: float | None = None
+    # Why it is waiting now: "" (not waiting), "budget", "max_num_seqs", "memory", "preempted".
+    wait_reason: str = ""
     generator: Any = None
     # Incremental detokenisation state (see engine/detokenizer.py).
     text: str = ""

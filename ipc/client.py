@@ -198,12 +198,16 @@ class EngineClient:
     def submit(self, prompt: Prompt, sampling: SamplingArg = None, *,
                request_id: str | None = None,
                on_delta: Callable[[m.Delta], None] | None = None,
-               timeout: float | None = None) -> str:
+               timeout: float | None = None, priority: int | None = None) -> str:
         """prompt: text, chat messages ([{"role", "content"}, ...]) or token ids.
         sampling: None, a dict, ipc.messages.Sampling or any dataclass with those fields
-        (engine.SamplingParams). Deltas go to `on_delta` (called on the client thread: keep
-        it short) or else are kept for `stream(request_id)`."""
-        cmd = m.Submit(id=0, sampling=_sampling(sampling), request_id=request_id,
+        (engine.SamplingParams). priority: overrides sampling's (lower = sooner; counts under
+        scheduling_policy "priority"). Deltas go to `on_delta` (called on the client thread:
+        keep it short) or else are kept for `stream(request_id)`."""
+        fields = _sampling(sampling)
+        if priority is not None:
+            fields = msgspec.structs.replace(fields, priority=priority)
+        cmd = m.Submit(id=0, sampling=fields, request_id=request_id,
                        **_prompt_fields(prompt))
         opened = self._call(cmd, m.SubmitResult, timeout,
                             on_ok=lambda r: self._open_stream(r.request_id, on_delta))
@@ -239,9 +243,9 @@ class EngineClient:
             return item
 
     def generate(self, prompt: Prompt, sampling: SamplingArg = None,
-                 timeout: float | None = None) -> Completion:
+                 timeout: float | None = None, priority: int | None = None) -> Completion:
         """Submit and collect the whole reply."""
-        rid = self.submit(prompt, sampling, timeout=timeout)
+        rid = self.submit(prompt, sampling, timeout=timeout, priority=priority)
         out = Completion(rid)
         for d in self.stream(rid, timeout=timeout):
             out.text += d.text

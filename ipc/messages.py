@@ -22,7 +22,10 @@ if TYPE_CHECKING:  # annotations only: at run time numpy is imported inside Bloc
 # 2: the stats frame's engine/config/server parts and the hello/reconfigure configs became
 # typed structs (EngineStats, EngineSettings, ServerCounters) instead of free-form maps.
 # 3: the blocks frame carries hash_tags (a content tag per prefix-cached block).
-PROTOCOL_VERSION = 3
+# 4: Sampling.priority; per-request priority, queue time and wait reason and the preemptions
+# since the last frame in the blocks frame; scheduling settings and decode_path_notice in
+# EngineSettings.
+PROTOCOL_VERSION = 4
 # Bigger command frames are refused by libzmq itself (ZMQ_MAXMSGSIZE) and the peer dropped.
 DEFAULT_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 
@@ -44,6 +47,7 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stop: list[str] = []
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    priority: int = 0  # lower = sooner (vLLM's convention)
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
@@ -150,6 +154,13 @@ class EngineSettings(msgspec.Struct, kw_only=True):
     max_model_len: int | None  # None: the model's own limit (HelloResult.max_model_len)
     enable_prefix_caching: bool
     seed: int
+    # Not an EngineConfig field: the engine's one-line notice that the model's decode takes
+    # its slower ordinary path (engine.fused_decode.decode_path_notice); "" when none.
+    decode_path_notice: str = ""
+    # Added with issue 26 (defaults: an older engine sends neither).
+    scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (lower Sampling.priority sooner)
+    priority_aging_s: float = 0.0  # effective priority -1 per this many s waited; 0 = off
+    max_prefill_tokens_while_decoding: int = 0  # per-step prefill cap while decoding; 0 = off
 
 
 class EngineStats(msgspec.Struct, kw_only=True):
@@ -299,6 +310,17 @@ class StepFrame(msgspec.Struct, kw_only=True):
     history_dropped_total: int  # steps that fell off that bound, cumulative
 
 
+class PreemptionEvent(msgspec.Struct, array_like=True):
+    """A running request the scheduler preempted: its blocks were freed (the request waits
+    to be recomputed). reason: "memory" (the pool ran dry) or "priority" (a more urgent
+    waiting request displaced it)."""
+    request_id: str
+    reason: str
+    block_ids: list[int]  # its block table's blocks as they were freed
+    priority: int = 0
+    step: int = 0  # the engine step (num_steps after it) that preempted it
+
+
 # BlocksFrame.flags bits
 BLOCK_FREE, BLOCK_CACHED, BLOCK_USED = 0, 1, 2
 BLOCK_STATE_MASK = 0b11
@@ -345,6 +367,16 @@ class BlocksFrame(msgspec.Struct, kw_only=True):
     hash_tags: bytes = b""
     # Dtype of each array; the engine narrows them, the default is the widest it sends.
     dtypes: dict[str, ArrayDtype] = msgspec.field(default_factory=lambda: dict(WIDE_DTYPES))
+    # Per live request, in request_ids order (empty from an engine older than issue 26):
+    # SamplingParams.priority (lower = sooner), the queue time (arrival -> first scheduled,
+    # seconds; None while never scheduled) and why it waits ("" running or not waiting,
+    # "budget", "max_num_seqs", "memory", "preempted").
+    request_priorities: list[int] = []
+    request_queue_s: list[float | None] = []
+    request_wait_reasons: list[str] = []
+    # Preemptions since the previous blocks frame (the engine steps more often than it
+    # publishes; a bounded backlog, oldest first).
+    preemptions: list[PreemptionEvent] = []
 
     def array(self, name: str) -> npt.NDArray[Any]:
         import numpy as np
@@ -395,6 +427,10 @@ class StatsFrame(msgspec.Struct, kw_only=True):
     engine: EngineStats  # LLMEngine.stats(): the pool, queues, cumulative counters
     config: EngineSettings  # the EngineConfig in force
     server: ServerCounters
+    # Cumulative preemptions by reason ("memory", "priority"), and the tokens they threw
+    # away that had to be computed again (issue 26; empty / 0 from an older engine).
+    preemptions_by_reason: dict[str, int] = {}
+    recomputed_tokens: int = 0
 
 
 class Heartbeat(msgspec.Struct, kw_only=True):

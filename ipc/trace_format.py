@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -34,6 +34,17 @@ class _Line(msgspec.Struct, tag_field="ev", forbid_unknown_fields=True, omit_def
     pass
 
 
+class ServerInfo(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """The external OpenAI-compatible server a run was replayed against (trace replay --url).
+    models / version: the server's own /v1/models and /version answers, as it gave them
+    (None where it has none)."""
+    url: str
+    api: str  # "completions" or "chat"
+    model: str  # the model name the requests asked for
+    models: Any = None
+    version: Any = None
+
+
 class Header(_Line, tag="header"):
     schema_version: int
     kvscope_version: str
@@ -48,6 +59,9 @@ class Header(_Line, tag="header"):
     monotonic: float
     include_prompts: bool
     kv_rotation: str = "none"  # resolved: "calibrated", "hadamard" or "none" (older traces: "none")
+    # Set when the run was against an external server: device, dtype and the KV fields then
+    # say "external"/0, as kvscope cannot see them.
+    server: ServerInfo | None = None
 
 
 class Arrival(_Line, tag="arrival"):
@@ -56,6 +70,13 @@ class Arrival(_Line, tag="arrival"):
     prompt_len: int
     sampling: dict[str, int | float | bool | str | None | list[int | str]]
     prompt: list[int] | None = None
+
+    @property
+    def priority(self) -> object:
+        """The request's priority (lower = sooner) as recorded with its sampling; 0 in traces
+        from before priorities. Not checked here: replay hands it to SamplingParams, which
+        refuses a bad one by name."""
+        return self.sampling.get("priority", 0)
 
 
 class Step(_Line, tag="step"):
@@ -88,6 +109,9 @@ class Free(_Line, tag="free"):
 class Preempt(_Line, tag="preempt"):
     t: float
     id: str
+    # "memory" (the pool ran dry) or "priority" (a more urgent request took its place);
+    # "" in traces from before the scheduler said why.
+    reason: str = ""
 
 
 class Token(_Line, tag="token"):
@@ -107,6 +131,32 @@ class Abort(_Line, tag="abort"):
     id: str
 
 
+class Chunk(_Line, tag="chunk"):
+    """A streamed piece of an external server's reply, when it arrived: text, not token ids
+    (an OpenAI stream carries text). tokens: how many tokens it holds where known, else 1."""
+    t: float
+    id: str
+    text: str
+    tokens: int = 1
+
+
+class Response(_Line, tag="response"):
+    """How one request to an external server ended. t: when (the last byte, or the error);
+    status: its HTTP status (0: no answer). ttft/e2e in seconds from the send; the token
+    counts are the server's `usage` when usage_from is "server", else counted from chunks."""
+    t: float
+    id: str
+    status: int
+    e2e: float
+    ttft: float | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    usage_from: str = "server"  # "server" or "chunks"
+    error: str | None = None
+    attempts: int = 1
+
+
 class Reconfigure(_Line, tag="reconfigure"):
     """The pool was rebuilt under a new config; live requests start over (recompute)."""
     t: float
@@ -117,8 +167,10 @@ class Reconfigure(_Line, tag="reconfigure"):
     kv_rotation: str = "none"
 
 
-Event = Arrival | Step | Alloc | Free | Preempt | Token | Finish | Abort | Reconfigure
-EVENT_TYPES = (Arrival, Step, Alloc, Free, Preempt, Token, Finish, Abort, Reconfigure)
+Event = (Arrival | Step | Alloc | Free | Preempt | Token | Finish | Abort | Reconfigure | Chunk
+         | Response)
+EVENT_TYPES = (Arrival, Step, Alloc, Free, Preempt, Token, Finish, Abort, Reconfigure, Chunk,
+               Response)
 Line = Header | Event
 
 E = TypeVar("E")

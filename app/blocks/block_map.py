@@ -12,8 +12,13 @@ details; click it to select its request and see the block table (logical -> phys
 A finished request (a chat reply clicked after it ended) shows what the prefix cache still
 holds of it, and a clicked cached block shows what it holds; both rest on the window's memory
 of the tables it saw (app.blocks.history says what is exact and what is memory).
+
+A preemption flashes the victim's freed blocks (app.blocks.flash); a live request's priority,
+queue time and why it waits are in its selection line and its blocks' hover text.
 """
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pyqtgraph as pg
@@ -42,6 +47,7 @@ from kvscope.app.blocks.block_grid import (
     source_note,
 )
 from kvscope.app.blocks.block_table import HOLDER_HEADERS, LIVE, BlockTableModel
+from kvscope.app.blocks.flash import REASON_RGB, PreemptionFlash
 from kvscope.app.blocks.history import (
     CACHED,
     EVICTED,
@@ -53,6 +59,7 @@ from kvscope.app.blocks.history import (
 )
 from kvscope.app.blocks.pixel_image import PixelImage, rgb32_table
 from kvscope.app.fmt import human_bytes
+from kvscope.app.request_waits import WAIT_TIPS, request_wait
 from kvscope.ipc.messages import BLOCK_CACHED, BLOCK_STATE_MASK, BLOCK_USED
 
 GRID_LINES_MIN_PX = 6  # cell borders only where a cell is this big on screen
@@ -67,9 +74,11 @@ class BlockMap(QWidget):
     blockHovered = Signal(int)  # -1 when the pointer left the grid
     blockSelected = Signal(int)  # a cached block was selected; -1 when that was cleared
 
-    def __init__(self, parent: QWidget | None = None) -> None:
+    def __init__(self, parent: QWidget | None = None,
+                 clock=time.monotonic) -> None:
         super().__init__(parent)
         self.frame = None
+        self.flash = PreemptionFlash(clock)
         self.selected: str | None = None
         self.selected_block = -1  # a cached block shown on its own, -1: none
         self.history = RequestHistory()
@@ -77,6 +86,7 @@ class BlockMap(QWidget):
         self.bytes_per_token: int | None = None
         self.shape = (1, 1)
         self._dirty = False
+        self._flashed = False  # the image on screen has flashing cells
         self._slots = SlotCache()
         self._lut = colors.build_lut()
         pad = self._lut[colors.PAD_INDEX]
@@ -133,7 +143,7 @@ class BlockMap(QWidget):
         # Text that changes every refresh must not change its label's size: a label whose
         # size can change re-lays out the whole window on every setText (1.5-4 ms each);
         # a fixed size stops that at the label.
-        for label, lines in ((self.totals, TOTALS_LINES), (self.hover_label, 3),
+        for label, lines in ((self.totals, TOTALS_LINES), (self.hover_label, 4),
                              (self.selection_label, 5)):
             label.setFixedSize(SIDE_WIDTH - 12, lines * label.fontMetrics().lineSpacing() + 4)
             label.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
@@ -169,6 +179,7 @@ class BlockMap(QWidget):
         """Keep the newest frame; the image is redrawn on the next refresh(). Every frame is
         seen by the history, which remembers the tables of requests that leave."""
         self.history.observe(frame)
+        self.flash.observe(frame)
         self.frame = frame
         self._dirty = True
 
@@ -214,7 +225,10 @@ class BlockMap(QWidget):
         return cell_pixels(self.shape, *self.view_pixels())
 
     def refresh(self) -> None:
-        """Redraw the image if a new frame, selection or view size arrived (every frame)."""
+        """Redraw the image if a new frame, selection or view size arrived, or while blocks
+        flash (every frame; one more redraw when the last flash has faded)."""
+        if self.flash.active() or self._flashed:
+            self._dirty = True
         if not self._dirty or self.frame is None:
             return
         self._dirty = False
@@ -222,7 +236,10 @@ class BlockMap(QWidget):
         shape = grid_shape(frame.num_blocks, *self.view_pixels())
         img = grid_image(block_indices(frame, self.selected, self._slots,
                                        self._highlight(frame)), shape)
-        self.image.setImage(self._pixels[img], autoLevels=False)  # the colour table, applied
+        pixels = self._pixels[img]  # the colour table, applied
+        self.flash.paint(pixels)
+        self._flashed = bool(self.flash.blocks())
+        self.image.setImage(pixels, autoLevels=False)
         if shape != self.shape:
             self.shape = shape
             self._draw_grid(shape)
@@ -285,6 +302,12 @@ class BlockMap(QWidget):
             text += " · held by " + ", ".join(r for r, _ in live_holders(frame, block)[:4])
         elif state == BLOCK_CACHED and (held := self.history.holders(frame, block)):
             text += " · last held by " + ", ".join(h.request_id for h in held[:3])
+        owner = int(frame.array("owner")[block])
+        if state == BLOCK_USED and 0 <= owner < len(frame.request_ids):
+            text += " · " + request_wait(frame, owner).summary()
+        if (p := self.flash.recent(block)) is not None:
+            text += f" · just freed by preempting {p.request_id} ({p.reason}, " \
+                    f"priority {p.priority})"
         return text
 
     def _show_table(self, frame) -> None:
@@ -306,13 +329,20 @@ class BlockMap(QWidget):
         status = ("running" if frame.request_running[i] else "waiting") + \
             source_note(frame, rid)
         rgb = colors.hex_color(colors.request_rgb(rid))
+        wait = request_wait(frame, i)
         self.selection_label.setText(
             f"<span style='color:{rgb}'>■</span> <b>{rid}</b> ({status}): "
             f"{frame.num_tokens[i]} tokens, {frame.num_computed_tokens[i]} computed, "
-            f"{len(table)} blocks — contiguous logically, scattered physically")
+            f"{len(table)} blocks<br>{wait.summary()}")
+        self.selection_label.setToolTip(
+            "Its block table below: contiguous logically, scattered physically. Priority: "
+            "lower = sooner under the priority policy. Queue time: arrival to first scheduled."
+            + (f" Waiting: {WAIT_TIPS.get(wait.reason, wait.reason)}." if wait.reason else ""))
         physical = np.asarray(table, np.int64)
-        self.table_model.show(physical, filled[physical], frame.block_size,
-                              np.full(len(physical), LIVE), frame.array("ref_count")[physical])
+        at = np.where(physical < 0, 0, physical)  # -1: freed behind a sliding window
+        self.table_model.show(physical, np.where(physical < 0, 0, filled[at]), frame.block_size,
+                              np.full(len(physical), LIVE),
+                              np.where(physical < 0, 0, frame.array("ref_count")[at]))
 
     def _show_finished(self, frame, rid: str) -> None:
         """A request no longer in the engine: its remembered table against today's pool."""
@@ -330,7 +360,7 @@ class BlockMap(QWidget):
             "tokens), checked against the current pool by content tag"
             + ("" if view.exact else "; this engine sends no content tags, so an evicted "
                "block that was cached again looks still cached"))
-        owner = frame.array("owner")[r.physical].astype(np.int64)
+        owner = frame.array("owner")[np.where(r.physical < 0, 0, r.physical)].astype(np.int64)
         self.table_model.show(r.physical, r.filled, frame.block_size, view.states,
                               owner=np.where(view.states == REUSED, owner, -1),
                               owner_names=frame.request_ids)
@@ -403,7 +433,10 @@ class BlockMap(QWidget):
                             f"■</span>" for r in ("req-1", "req-2", "req-3", "req-4"))
         return (f"{examples} owned (colour per request, brighter = fuller)<br>"
                 f"{sw(colors.FREE_RGB, 'free')} &nbsp; {sw(colors.CACHED_RGB, 'cached')} "
-                f"&nbsp; {sw(colors.SHARED_RGB, 'shared (ref &gt; 1)')}")
+                f"&nbsp; {sw(colors.SHARED_RGB, 'shared (ref &gt; 1)')}<br>"
+                f"<span style='color:{colors.hex_color(REASON_RGB['memory'])}'>■</span>"
+                f"<span style='color:{colors.hex_color(REASON_RGB['priority'])}'>■</span> "
+                "flash: preempted (memory, priority)")
 
     def rendered_image(self):
         """The QImage the ImageItem draws, rendered from the current data (tests, export)."""

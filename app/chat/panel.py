@@ -4,6 +4,8 @@ Deltas are buffered by the bridge and arrive here ~30 times a second; each batch
 insertText at the end of the document per reply, never a re-render of the transcript.
 Click a reply (its header, text or stats line) to select its request in the block map: every
 part of a reply is a link to "request:<id>".
+With "Interactive (priority)" on (the default) the window's own chat goes in at priority -1,
+ahead of the load generator's and replays' 0 when the engine schedules by priority.
 """
 from __future__ import annotations
 
@@ -15,11 +17,13 @@ import uuid
 from PySide6.QtCore import Qt, QUrl, Signal
 from PySide6.QtGui import QColor, QKeyEvent, QTextBlockFormat, QTextCharFormat, QTextCursor
 from PySide6.QtWidgets import (
+    QCheckBox,
     QDoubleSpinBox,
     QHBoxLayout,
     QLabel,
     QPlainTextEdit,
     QPushButton,
+    QSizePolicy,
     QSpinBox,
     QTabWidget,
     QTextBrowser,
@@ -29,6 +33,14 @@ from PySide6.QtWidgets import (
 
 from kvscope.app import colors
 from kvscope.app.chat.turn import Turn
+
+INTERACTIVE_PRIORITY = -1  # lower = sooner (vLLM's convention); everything else sends 0
+BATCH_PRIORITY = 0
+INTERACTIVE_TIP = (
+    "On: this chat's requests go in at priority -1, off: at 0 like the load generator's. "
+    "Lower = sooner. It matters only while the engine schedules by priority (Engine tab > "
+    "scheduling: priority): then a waiting chat reply is scheduled before priority-0 work "
+    "and may preempt it when memory runs short. Under fcfs it changes nothing.")
 
 
 class ChatInput(QPlainTextEdit):
@@ -205,6 +217,13 @@ class ChatPanel(QWidget):
         self.temperature.setSingleStep(0.1)
         self.temperature.setValue(0.7)
         self.temperature.setPrefix("T ")
+        self.interactive = QCheckBox("Interactive (priority)")
+        self.interactive.setObjectName("interactiveToggle")
+        self.interactive.setChecked(True)
+        self.interactive.setToolTip(INTERACTIVE_TIP)
+        # A long phase line must not widen the dock: it gets what the toggle leaves.
+        self.phase_label.setSizePolicy(QSizePolicy.Policy.Ignored,
+                                       QSizePolicy.Policy.Preferred)
 
         top = QHBoxLayout()
         title = QLabel("Chat")
@@ -223,7 +242,10 @@ class ChatPanel(QWidget):
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addLayout(top)
         layout.addWidget(self.tabs, 1)
-        layout.addWidget(self.phase_label)
+        phase_row = QHBoxLayout()
+        phase_row.addWidget(self.phase_label, 1)
+        phase_row.addWidget(self.interactive)
+        layout.addLayout(phase_row)
         layout.addWidget(self.input)
         layout.addLayout(bottom)
         self.new_conversation()
@@ -262,8 +284,12 @@ class ChatPanel(QWidget):
             self.new_conversation()
 
     # -- commands ---------------------------------------------------------------------------
+    def priority(self) -> int:
+        return INTERACTIVE_PRIORITY if self.interactive.isChecked() else BATCH_PRIORITY
+
     def sampling(self) -> dict:
-        return {"max_tokens": self.max_tokens.value(), "temperature": self.temperature.value()}
+        return {"max_tokens": self.max_tokens.value(), "temperature": self.temperature.value(),
+                "priority": self.priority()}
 
     def send(self) -> str | None:
         """Send the input as the next user message; returns the new request id."""
@@ -273,7 +299,7 @@ class ChatPanel(QWidget):
             return None
         self.input.clear()
         view.append_user(text)
-        turn = Turn(f"chat-{uuid.uuid4().hex[:8]}", view.index)
+        turn = Turn(f"chat-{uuid.uuid4().hex[:8]}", view.index, priority=self.priority())
         self.turns[turn.request_id] = turn
         view.begin_reply(turn)
         self.submitRequested.emit(turn.request_id, list(view.messages), self.sampling())

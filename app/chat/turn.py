@@ -5,6 +5,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvscope.app.fmt import rate, seconds
+from kvscope.app.request_waits import WAIT_TEXT, request_wait
 
 SENDING, QUEUED, PREFILL, DECODING, PREEMPTED = "sending", "queued", "prefill", "decoding", \
     "preempted"
@@ -32,6 +33,8 @@ class Turn:
     computed: int = 0  # from the blocks frame: tokens with KV written
     max_blocks: int = 0  # most blocks its table held
     block_size: int = 0
+    priority: int = 0  # as submitted (lower = sooner)
+    wait_reason: str = ""  # from the blocks frame: why it waits now ("" not waiting)
 
     @property
     def done(self) -> bool:
@@ -66,6 +69,7 @@ class Turn:
         offsets = frame.array("table_offsets")
         self.max_blocks = max(self.max_blocks, int(offsets[i + 1] - offsets[i]))
         running = frame.request_running[i]
+        self.wait_reason = request_wait(frame, i).reason
         if not self.num_prompt and not self.num_output:
             self.num_prompt = frame.num_tokens[i]
         if not running:
@@ -95,7 +99,9 @@ class Turn:
     def phase_text(self, now: float | None = None) -> str:
         now = time.monotonic() if now is None else now
         if self.phase in (SENDING, QUEUED):
-            return f"{self.phase} {now - self.submitted_at:.1f} s"
+            why = f" · waiting: {WAIT_TEXT.get(self.wait_reason, self.wait_reason)}" \
+                if self.phase == QUEUED and self.wait_reason else ""
+            return f"{self.phase} {now - self.submitted_at:.1f} s{why}"
         if self.phase == PREFILL:
             total = max(1, self.num_prompt)
             return f"prefill {self.computed}/{total} tokens ({100 * self.computed // total} %)"
@@ -120,5 +126,7 @@ class Turn:
             parts.append(f"{self.num_cached} cached")
         if self.num_preemptions:
             parts.append(f"{self.num_preemptions} preemptions")
+        if self.priority:
+            parts.append(f"priority {self.priority}")
         parts.append(f"stop: {self.finish_reason or self.error or '?'}")
         return " · ".join(parts)

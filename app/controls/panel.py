@@ -1,6 +1,7 @@
 """Engine knobs: block size, KV dtype, its rotation and exact first tokens, KV budget, max
-sequences, max batched tokens, prefix caching. Apply emits the changed values; the panel then
-shows what the engine applied (or the refusal and its reason), busy while the pool is rebuilt."""
+sequences, max batched tokens, prefix caching, the scheduling policy. Apply emits the changed
+values; the panel then shows what the engine applied (or the refusal and its reason), busy
+while the pool is rebuilt."""
 from __future__ import annotations
 
 from PySide6.QtCore import Qt, Signal
@@ -25,8 +26,16 @@ KV_ROTATIONS = ["auto", "calibrated", "hadamard", "none"]
 ONE_BYTE = ("int8", "fp8")
 ROTATED_BY_DEFAULT = ("int8", "fp8")  # "auto" is "calibrated" for these (engine/config.py)
 MIB = 1024 * 1024
+SCHEDULING_POLICIES = ["fcfs", "priority"]
 KEYS = ("block_size", "kv_dtype", "kv_rotation", "kv_anchor_tokens", "kv_cache_bytes",
-        "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching")
+        "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "scheduling_policy")
+# Changing only these leaves the KV pool as it is (no rebuild, nothing preempted).
+NO_REBUILD = ("scheduling_policy",)
+SCHEDULING_TIP = (
+    "fcfs: requests are scheduled in arrival order; when the KV pool runs dry the newest "
+    "running request is preempted. priority: by each request's priority (lower = sooner, "
+    "then arrival): a more urgent waiting request may preempt a less urgent running one. "
+    "The window's chat sends -1 while its Interactive toggle is on, the load generator 0.")
 UNKNOWN = "—"  # shown until the engine's real settings arrive
 MAX_ANCHOR_TOKENS = 64  # engine/config.py MAX_KV_ANCHOR_TOKENS
 
@@ -70,6 +79,10 @@ class ControlsPanel(QWidget):
         self.max_batched.setRange(1, 1 << 20)
         self.max_batched.setSingleStep(64)
         self.prefix_caching = QCheckBox("prefix caching")
+        self.scheduling = QComboBox()
+        self.scheduling.setObjectName("schedulingPolicy")
+        self.scheduling.addItems(SCHEDULING_POLICIES)
+        self.scheduling.setToolTip(SCHEDULING_TIP)
         self.budget_note = QLabel("")
         self.budget_note.setWordWrap(True)
         self.budget_note.setObjectName("note")
@@ -83,6 +96,7 @@ class ControlsPanel(QWidget):
         form.addRow("max sequences", self.max_seqs)
         form.addRow("max batched tokens", self.max_batched)
         form.addRow("", self.prefix_caching)
+        form.addRow("scheduling", self.scheduling)
         self.apply_button = QPushButton("Apply")
         self.apply_button.setObjectName("applyButton")
         self.apply_button.clicked.connect(self.apply)
@@ -115,7 +129,7 @@ class ControlsPanel(QWidget):
         """No engine settings known (connecting, dead): every field says "—", not a value
         that looks real, and nothing can be applied."""
         self.config = None
-        for combo in (self.block_size, self.kv_dtype, self.kv_rotation):
+        for combo in (self.block_size, self.kv_dtype, self.kv_rotation, self.scheduling):
             combo.setPlaceholderText(UNKNOWN)
             combo.setCurrentIndex(-1)
         for spin in (self.kv_anchors, self.kv_budget, self.max_seqs, self.max_batched):
@@ -139,7 +153,7 @@ class ControlsPanel(QWidget):
     def set_enabled(self, enabled: bool) -> None:
         for w in (self.block_size, self.kv_dtype, self.kv_rotation, self.kv_anchors,
                   self.kv_budget, self.max_seqs,
-                  self.max_batched, self.prefix_caching, self.apply_button,
+                  self.max_batched, self.prefix_caching, self.scheduling, self.apply_button,
                   self.revert_button):
             w.setEnabled(enabled and not self.busy)
 
@@ -151,7 +165,8 @@ class ControlsPanel(QWidget):
                 "kv_cache_bytes": self.kv_budget.value() * MIB,
                 "max_num_seqs": self.max_seqs.value(),
                 "max_num_batched_tokens": self.max_batched.value(),
-                "enable_prefix_caching": self.prefix_caching.isChecked()}
+                "enable_prefix_caching": self.prefix_caching.isChecked(),
+                "scheduling_policy": self.scheduling.currentText()}
 
     def changes(self) -> dict:
         """What differs from the configuration in force (everything, before there is one)."""
@@ -180,8 +195,10 @@ class ControlsPanel(QWidget):
         self.set_enabled(False)
         self.progress.show()
         self.result.setProperty("state", "busy")
-        self.result.setText("Applying " + _fmt(changes) + " — rebuilding the KV pool; "
-                            "running requests are preempted and recomputed…")
+        how = (" — the queue is reordered from the next step (the KV pool stays)…"
+               if set(changes) <= set(NO_REBUILD) else
+               " — rebuilding the KV pool; running requests are preempted and recomputed…")
+        self.result.setText("Applying " + _fmt(changes) + how)
         self.reconfigureRequested.emit(changes)
 
     # -- engine facts -----------------------------------------------------------------------
@@ -197,6 +214,8 @@ class ControlsPanel(QWidget):
         self.max_seqs.setValue(config.max_num_seqs)
         self.max_batched.setValue(config.max_num_batched_tokens)
         self.prefix_caching.setChecked(config.enable_prefix_caching)
+        # An engine older than issue 26 sends none: EngineSettings' default "fcfs" is right.
+        self.scheduling.setCurrentText(config.scheduling_policy)
         fixed = config.num_kv_blocks
         self.budget_note.setText(f"the pool is fixed at {fixed} blocks (--num-kv-blocks): "
                                  "the budget is ignored" if fixed else "")

@@ -27,6 +27,8 @@ def engine_args_from(values: dict, config: dict) -> list[str]:
         args += ["--num-kv-blocks", str(config["num_kv_blocks"])]
     if not values["enable_prefix_caching"]:
         args.append("--no-prefix-caching")
+    if values.get("scheduling_policy"):
+        args += ["--scheduling-policy", values["scheduling_policy"]]
     return args
 
 

@@ -6,9 +6,12 @@ import argparse
 from kvscope.engine.config import (
     DEFAULT_KV_ANCHOR_TOKENS,
     DEFAULT_KV_CACHE_BYTES,
+    DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING,
+    DEFAULT_PRIORITY_AGING_S,
     KV_DTYPES,
     KV_ROTATIONS,
     MODEL_DTYPES,
+    SCHEDULING_POLICIES,
     WEIGHT_FORMATS,
     EngineConfig,
 )
@@ -42,6 +45,18 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--scheduling-policy", default="priority", choices=SCHEDULING_POLICIES,
+                   help="priority (default): lower request priority first, and a request of "
+                        "strictly higher priority may preempt lower ones; with every priority "
+                        "equal it schedules as fcfs; fcfs: arrival order, priority ignored")
+    g.add_argument("--priority-aging-s", type=float, default=DEFAULT_PRIORITY_AGING_S,
+                   help="a waiting request's priority improves by 1 per this many seconds "
+                        "since it arrived, so nothing starves; 0 = no aging")
+    g.add_argument("--max-prefill-tokens-while-decoding", type=int,
+                   default=DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING,
+                   help="at most this many prefill tokens in a step while decodes run (at "
+                        "least one block's worth), so a long prompt does not stall every "
+                        "stream's next token; 0 = no cap")
 
 
 def parse_bytes(text: str) -> int:
@@ -60,4 +75,6 @@ def engine_config_from_args(args) -> EngineConfig:
         kv_anchor_tokens=args.kv_anchor_tokens, kv_cache_bytes=args.kv_cache_bytes,
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching, seed=args.seed)
+        enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+        scheduling_policy=args.scheduling_policy, priority_aging_s=args.priority_aging_s,
+        max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding)

@@ -215,7 +215,7 @@ class EngineServer:
             if d.token_ids:
                 latency = self.metrics.on_tokens(seq, now)
                 if latency is not None and self.prometheus is not None:
-                    self.prometheus.on_latency(*latency)
+                    self.prometheus.on_latency(*latency, seq.params.priority)
                 self.streamed[d.request_id] = self.streamed.get(d.request_id, 0) + \
                     len(d.token_ids)
             by_client.setdefault(who, []).append(self._delta(seq, d.token_ids, d.text,
@@ -245,7 +245,8 @@ class EngineServer:
         if self.prometheus is not None and seq is not None and rid in self.owners:
             self.prometheus.on_finished(reason, FinishedRequest(
                 seq.arrival_time, first, seq.first_token_time, time.monotonic(),
-                seq.num_prompt_tokens, seq.num_output_tokens, seq.params.max_tokens))
+                seq.num_prompt_tokens, seq.num_output_tokens, seq.params.max_tokens,
+                seq.params.priority))
         self.owners.pop(rid, None)
         self.streamed.pop(rid, None)
         self.metrics.forget(rid)
@@ -300,7 +301,7 @@ class EngineServer:
                                f"{m.PROTOCOL_VERSION}, the client {cmd.protocol}")
         e = self.engine
         return m.HelloResult(m.PROTOCOL_VERSION, engine_pkg.__version__, e.config.model,
-                             os.getpid(), e.config.settings(), e.max_model_len,
+                             os.getpid(), snapshots.engine_settings(e), e.max_model_len,
                              self.max_message_bytes, self.metrics_url, self.http_url,
                              str(self.trace_dir or default_trace_dir()))
 
@@ -346,18 +347,19 @@ class EngineServer:
 
     def _cmd_reconfigure(self, who, cmd: m.Reconfigure) -> m.ReconfigureResult:
         try:
-            config = self.engine.reconfigure(**cmd.changes)
+            self.engine.reconfigure(**cmd.changes)
         except (ValueError, TypeError) as exc:
             raise CommandError(m.REFUSED, str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory: the old pool is back
             raise CommandError(m.REFUSED, f"{type(exc).__name__}: {exc}") from None
-        return m.ReconfigureResult(config.settings())
+        return m.ReconfigureResult(snapshots.engine_settings(self.engine))  # config in force
 
     def _cmd_snapshot(self, who, cmd: m.Snapshot) -> m.SnapshotResult:
         return m.SnapshotResult(self.steplog.frame(self.engine, self.topic_seq["step"],
                                                     consume=False),
-                                snapshots.blocks_frame(self.engine, self.topic_seq["blocks"],
-                                                       self.sources()),
+                                snapshots.blocks_frame(
+                                    self.engine, self.topic_seq["blocks"], self.sources(),
+                                    self.steplog.take_preemptions(consume=False)),
                                 self._stats(self.topic_seq["stats"]))
 
     def _cmd_shutdown(self, who, cmd: m.Shutdown) -> m.ShutdownResult:
@@ -428,7 +430,8 @@ class EngineServer:
         if topic == "step":
             return self.steplog.frame(self.engine, seq)
         if topic == "blocks":
-            return snapshots.blocks_frame(self.engine, seq, self.sources())
+            return snapshots.blocks_frame(self.engine, seq, self.sources(),
+                                          self.steplog.take_preemptions())
         if topic == "device":
             return msgspec.structs.replace(self.feed.device(), seq=seq)
         return self._stats(seq)

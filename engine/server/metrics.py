@@ -9,7 +9,8 @@ very numbers the state stream publishes and a scrape never touches the engine.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from prometheus_client import (
@@ -23,6 +24,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvscope.engine.server.metrics_prefix import prefixed
+from kvscope.engine.server.metrics_priority import (
+    PriorityLabels,
+    SchedulerCounts,
+    labelled_waiting,
+    priority_families,
+)
 from kvscope.ipc import messages as m
 
 PREFIX = "kvscope:"
@@ -64,6 +71,7 @@ class FinishedRequest:
     prompt_tokens: int
     output_tokens: int
     max_tokens: int
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -71,6 +79,16 @@ class EngineState:
     stats: m.EngineStats  # LLMEngine.stats()
     kv_totals: dict | None  # snapshots.block_totals(): used, cached, internal waste, ...
     device: m.DeviceFrame | None
+    scheduler: SchedulerCounts | None = None  # metrics_priority.scheduler_counts()
+    # scheduler.waiting_by_priority under its label values (EngineMetrics.publish fills it).
+    waiting_by_priority: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+# Histograms with a `priority` label (a request's own latencies); the others are per step
+# or per request size, where the priority says nothing new.
+BY_PRIORITY = ("time_to_first_token_seconds", "inter_token_latency_seconds",
+               "time_per_output_token_seconds", "e2e_request_latency_seconds",
+               "request_queue_time_seconds")
 
 
 class EngineMetrics:
@@ -80,8 +98,13 @@ class EngineMetrics:
         self.state: EngineState | None = None
         self.server = None
         name = [self.model_name]
+        self.priority_label = PriorityLabels()
 
-        def histogram(key: str, doc: str, buckets) -> Histogram:
+        def histogram(key: str, doc: str, buckets):
+            if key in BY_PRIORITY:
+                return _ByPriority(Histogram(PREFIX + key, doc, ["model_name", "priority"],
+                                             registry=self.registry, buckets=buckets),
+                                   self.model_name, self.priority_label)
             return Histogram(PREFIX + key, doc, ["model_name"], registry=self.registry,
                              buckets=buckets).labels(*name)
 
@@ -125,23 +148,27 @@ class EngineMetrics:
 
     # -- engine thread -----------------------------------------------------------------------
     def publish(self, state: EngineState) -> None:
+        if state.scheduler is not None:  # labels are handed out on this thread only
+            state = replace(state, waiting_by_priority=labelled_waiting(
+                state.scheduler.waiting_by_priority, self.priority_label))
         self.state = state  # one reference swap: a scrape sees the old state or the new one
 
-    def on_latency(self, kind: str, seconds: float) -> None:
+    def on_latency(self, kind: str, seconds: float, priority: int = 0) -> None:
         if kind == "ttft":
-            self.ttft.observe(seconds)
+            self.ttft.observe(seconds, priority)
         else:
-            self.itl.observe(seconds)
-            self.tpot.observe(seconds)
+            self.itl.observe(seconds, priority)
+            self.tpot.observe(seconds, priority)
 
     def on_step(self, num_tokens: int) -> None:
         self.iteration.observe(num_tokens)
 
     def on_finished(self, reason: str, r: FinishedRequest) -> None:
         self.success.labels(self.model_name, reason).inc()
-        self.e2e.observe(r.finished - r.arrived)
-        for histogram, start, end in ((self.queue, r.arrived, r.scheduled),
-                                      (self.prefill, r.scheduled, r.first_token),
+        self.e2e.observe(r.finished - r.arrived, r.priority)
+        if r.scheduled is not None:
+            self.queue.observe(r.scheduled - r.arrived, r.priority)
+        for histogram, start, end in ((self.prefill, r.scheduled, r.first_token),
                                       (self.decode, r.first_token, r.finished)):
             if start is not None and end is not None:
                 histogram.observe(end - start)
@@ -166,6 +193,22 @@ class EngineMetrics:
             self.server = None
 
 
+class _ByPriority:
+    """A histogram's children by priority, for this model (the default one made up front,
+    so the series exist before the first request)."""
+
+    def __init__(self, histogram: Histogram, model: str, label: PriorityLabels) -> None:
+        self.histogram, self.model, self.label = histogram, model, label
+        self.children = {"0": histogram.labels(model, "0")}
+
+    def observe(self, seconds: float, priority: int = 0) -> None:
+        key = self.label(priority)
+        child = self.children.get(key)
+        if child is None:
+            child = self.children[key] = self.histogram.labels(self.model, key)
+        child.observe(seconds)
+
+
 class _StateCollector(Collector):
     """Counters and gauges read from the engine's last published state at scrape time."""
 
@@ -178,6 +221,8 @@ class _StateCollector(Collector):
             return []
         labels = {"model_name": self.metrics.model_name}
         out = list(engine_families(state.stats, labels))
+        counts = state.scheduler or SchedulerCounts({"memory": state.stats.num_preemptions})
+        out.extend(priority_families(PREFIX, counts, state.waiting_by_priority, labels))
         if state.kv_totals is not None:
             out.extend(kv_families(state.kv_totals, state.stats, labels))
         if state.device is not None:
@@ -203,8 +248,6 @@ def engine_families(stats: m.EngineStats, labels: dict):
     yield _family(g, "gpu_cache_usage_perc", "KV-cache usage (vLLM's older name, which its "
                   "example dashboard reads). 1 means 100 percent usage.",
                   stats.num_used_blocks / blocks, labels)
-    yield _family(c, "num_preemptions", "Cumulative number of preemption from the engine.",
-                  stats.num_preemptions, labels)
     yield _family(c, "prompt_tokens", "Number of prefill tokens processed.",
                   stats.num_prompt_tokens, labels)
     yield _family(c, "generation_tokens", "Number of generation tokens processed.",

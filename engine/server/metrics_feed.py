@@ -7,6 +7,7 @@ import time
 from kvscope.engine.server import snapshots
 from kvscope.engine.server.device_monitor import DeviceMonitor
 from kvscope.engine.server.metrics import EngineMetrics, EngineState
+from kvscope.engine.server.metrics_priority import scheduler_counts
 from kvscope.ipc import messages as m
 
 DEVICE_INTERVAL = 1.0  # what nvidia-smi and nvitop sample at; NVML itself averages over ~1 s
@@ -44,5 +45,6 @@ class MetricsFeed:
             return
         if slow_due or not busy:
             self.kv_totals, self.totals_at = snapshots.block_totals(self.engine), now
-        self.metrics.publish(EngineState(self.engine.stats(), self.kv_totals, self.device()))
+        self.metrics.publish(EngineState(self.engine.stats(), self.kv_totals, self.device(),
+                                         scheduler_counts(self.engine.scheduler)))
         self.published_at, self.published_version = now, version

@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from kvscope.engine.sampling_params import PRIORITY_MAX, PRIORITY_MIN
 from kvscope.ipc import messages as m
 
 
@@ -60,6 +61,9 @@ class _Common(msgspec.Struct, kw_only=True):
     top_k: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # vLLM's: lower is served sooner under --scheduling-policy priority (ignored under fcfs).
+    # Typed int, so JSON true, 1.5 or "1" fail decoding as `$.priority` like any bad field.
+    priority: int | None = None
 
 
 class ChatRequest(_Common, kw_only=True):
@@ -140,9 +144,13 @@ def sampling_of(req: _Common, default_max_tokens: int) -> m.Sampling:
     stop_ids = list(req.stop_token_ids or [])
     if any(t < 0 for t in stop_ids):
         raise _bad("stop_token_ids", "stop_token_ids must be token ids (>= 0)")
+    priority = 0 if req.priority is None else req.priority
+    if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+        raise _bad("priority", f"priority must be an integer in [{PRIORITY_MIN}, "
+                               f"{PRIORITY_MAX}] (lower = sooner), got {priority}")
     return m.Sampling(max_tokens=max_tokens or default_max_tokens, temperature=temperature,
                       top_p=top_p, top_k=max(top_k, 0), seed=req.seed, stop=stop,
-                      stop_token_ids=stop_ids, ignore_eos=req.ignore_eos)
+                      stop_token_ids=stop_ids, ignore_eos=req.ignore_eos, priority=priority)
 
 
 def chat_messages(req: ChatRequest) -> list[m.ChatMessage]:

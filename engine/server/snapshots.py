@@ -12,14 +12,25 @@ import os
 import time
 from collections import deque
 
+import msgspec
 import numpy as np
 
 from kvscope.engine.scheduler import ScheduledSeq
 from kvscope.ipc import messages as m
 
 STEP_HISTORY = 512  # steps kept between two step frames; older ones are counted as dropped
+PREEMPTION_BACKLOG = 256  # preemptions kept between two blocks frames; older ones fall off
 LATENCY_SAMPLES = 2048  # recent TTFT / inter-token samples behind the percentiles
 RATE_WINDOW_S = 5.0
+
+
+def engine_settings(engine) -> m.EngineSettings:
+    """The config in force as the wire carries it, with the model's decode-path notice."""
+    # Here, not at the top: this module stays torch-free to import (the engine has torch).
+    from kvscope.engine.fused_decode import decode_path_notice
+
+    return msgspec.structs.replace(engine.config.settings(), decode_path_notice=(
+        decode_path_notice(getattr(engine, "model", None))))
 
 
 class StepLog:
@@ -29,6 +40,8 @@ class StepLog:
         self.history: deque[m.StepRecord] = deque()
         self.history_dropped = 0
         self.latest: tuple[float, float, list[m.ScheduledItem]] | None = None
+        # The scheduler clears its last_preemptions every step; frames are rarer than steps.
+        self.preemptions: deque[m.PreemptionEvent] = deque(maxlen=PREEMPTION_BACKLOG)
 
     def record(self, engine, scheduled: list[ScheduledSeq], streamed: dict[str, int],
                duration_s: float) -> None:
@@ -49,6 +62,18 @@ class StepLog:
         if len(self.history) > STEP_HISTORY:
             self.history.popleft()
             self.history_dropped += 1
+        self.preemptions.extend(
+            m.PreemptionEvent(p.request_id, p.reason, [int(b) for b in p.block_ids],
+                              int(getattr(p, "priority", 0)), engine.num_steps)
+            for p in getattr(sched, "last_preemptions", ()))
+
+    def take_preemptions(self, consume: bool = True) -> list[m.PreemptionEvent]:
+        """The preemptions since the last blocks frame (consume=False: a snapshot reply,
+        which leaves them to the next published frame)."""
+        out = list(self.preemptions)
+        if consume:
+            self.preemptions.clear()
+        return out
 
     def frame(self, engine, seq: int, consume: bool = True) -> m.StepFrame | None:
         """consume=False (a snapshot reply) leaves the history to the next published frame."""
@@ -73,18 +98,22 @@ class StepLog:
             history=history, history_dropped_total=self.history_dropped)
 
 
-def blocks_frame(engine, seq: int, sources: dict[str, str] | None = None) -> m.BlocksFrame:
-    """sources: request id -> where it came from, for requests not sent over ZeroMQ."""
+def blocks_frame(engine, seq: int, sources: dict[str, str] | None = None,
+                 preemptions: list[m.PreemptionEvent] | None = None) -> m.BlocksFrame:
+    """sources: request id -> where it came from, for requests not sent over ZeroMQ.
+    preemptions: those since the previous frame (StepLog.take_preemptions)."""
     bm, sched = engine.block_manager, engine.scheduler
     n, bs = bm.num_blocks, bm.block_size
     live = list(sched.running) + list(sched.waiting)
     lens, offsets, flat = _tables(live)
-    flags = _block_flags(bm, flat)
+    held = flat[flat >= 0]  # a -1 entry (freed behind a sliding window) is no block
+    flags = _block_flags(bm, held)
     owner = np.full(n, -1, np.int32)
     # Fancy assignment keeps the last write: reversed, the first (oldest) holder wins.
-    owner[flat[::-1]] = np.repeat(np.arange(len(live), dtype=np.int32), lens)[::-1]
+    holders = np.repeat(np.arange(len(live), dtype=np.int32), lens)[flat >= 0]
+    owner[held[::-1]] = holders[::-1]
     filled = _filled(live, lens, offsets, flat, n, bs, flags)
-    arrays = {"owner": owner, "filled": filled, "ref_count": np.bincount(flat, minlength=n),
+    arrays = {"owner": owner, "filled": filled, "ref_count": np.bincount(held, minlength=n),
               "flags": flags, "table_offsets": offsets, "tables": flat}
     packed = {name: _narrow(a) for name, a in arrays.items()}
     # Tags use all 32 bits, so narrowing would never pick a smaller type.
@@ -99,7 +128,17 @@ def blocks_frame(engine, seq: int, sources: dict[str, str] | None = None) -> m.B
         num_tokens=[s.num_tokens for s in live],
         num_computed_tokens=[s.num_computed_tokens for s in live],
         request_sources=dict(sources or {}),
+        **_request_waits(live), preemptions=list(preemptions or ()),
         **_totals(engine, flags, filled))
+
+
+def _request_waits(live) -> dict[str, list]:
+    """Per live request: priority, queue time (None while never scheduled), wait reason."""
+    return {
+        "request_priorities": [int(getattr(s.params, "priority", 0)) for s in live],
+        "request_queue_s": [None if s.first_scheduled_time is None
+                            else s.first_scheduled_time - s.arrival_time for s in live],
+        "request_wait_reasons": [s.wait_reason for s in live]}
 
 
 def block_totals(engine) -> dict[str, int]:
@@ -107,13 +146,14 @@ def block_totals(engine) -> dict[str, int]:
     bm, sched = engine.block_manager, engine.scheduler
     live = list(sched.running) + list(sched.waiting)
     lens, offsets, flat = _tables(live)
-    flags = _block_flags(bm, flat)
+    flags = _block_flags(bm, flat[flat >= 0])
     return _totals(engine, flags,
                    _filled(live, lens, offsets, flat, bm.num_blocks, bm.block_size, flags))
 
 
 def _tables(live) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Block-table lengths, CSR offsets and the tables concatenated (C-speed iteration)."""
+    """Block-table lengths, CSR offsets and the tables concatenated (C-speed iteration); the
+    tables keep their -1 entries, so an entry's index stays its logical block."""
     lens = np.fromiter((len(s.block_table) for s in live), np.int64, len(live))
     offsets = np.zeros(len(live) + 1, np.int64)
     np.cumsum(lens, out=offsets[1:])
@@ -182,7 +222,8 @@ def _filled(live, lens, offsets, flat, n, bs, flags) -> np.ndarray:
     position = np.arange(len(flat)) - np.repeat(offsets[:-1], lens)
     per_entry = np.clip(np.repeat(computed, lens) - position * bs, 0, bs)
     # A shared block is a full prefix block for every holder, so any holder's view will do.
-    filled[flat] = per_entry
+    held = flat >= 0
+    filled[flat[held]] = per_entry[held]
     # Cached-free blocks were registered full; that is what makes them reusable.
     filled[(flags & m.BLOCK_STATE_MASK) == m.BLOCK_CACHED] = bs
     return filled
@@ -231,7 +272,10 @@ class Metrics:
             if span > 0 else 0.0,
             ttft_s=percentiles(self.ttft), itl_s=percentiles(self.itl),
             kv_usage=stats.num_used_blocks / max(1, stats.num_kv_blocks),
-            engine=stats, config=engine.config.settings(), server=server)
+            engine=stats, config=engine_settings(engine), server=server,
+            preemptions_by_reason={str(k): int(v) for k, v in getattr(
+                engine.scheduler, "preemptions_by_reason", {}).items()},
+            recomputed_tokens=int(getattr(engine.scheduler, "recomputed_tokens", 0)))
 
 
 def percentiles(samples) -> m.Percentiles:

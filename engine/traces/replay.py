@@ -67,7 +67,7 @@ def replay(items: list[WorkItem], engine: LLMEngine, out_path: str | os.PathLike
                 w = pending[i]
                 i += 1
                 try:
-                    engine.add_request(w.prompt, SamplingParams(**w.sampling), w.request_id)
+                    engine.add_request(w.prompt, _params(w), w.request_id)
                 except (ValueError, TypeError) as exc:
                     rejected[w.request_id] = str(exc)
             if engine.has_unfinished():
@@ -77,6 +77,11 @@ def replay(items: list[WorkItem], engine: LLMEngine, out_path: str | os.PathLike
     finally:
         engine.stop_trace()
     return rejected
+
+
+def _params(w: WorkItem) -> SamplingParams:
+    """The recorded sampling, at the recorded priority (0 for traces from before it)."""
+    return SamplingParams(**{**w.sampling, "priority": w.priority})
 
 
 def replay_file(source: str | os.PathLike[str], out_path: str | os.PathLike[str],

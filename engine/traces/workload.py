@@ -28,6 +28,7 @@ class WorkItem:
     prompt: list[int] | None = None
     hash_ids: list[int] | None = None
     recorded_output: list[int] | None = None
+    priority: object = 0  # lower = sooner; replay submits with it (SamplingParams checks it)
 
 
 class MooncakeRequest(msgspec.Struct):
@@ -35,6 +36,7 @@ class MooncakeRequest(msgspec.Struct):
     input_length: int
     output_length: int
     hash_ids: list[int] | None = None
+    priority: int = 0  # not in Mooncake's own traces; lets a workload mix priorities
 
 
 _mooncake = msgspec.json.Decoder(MooncakeRequest)
@@ -67,7 +69,7 @@ def read_mooncake(path: str | os.PathLike) -> list[WorkItem]:
         items.append(WorkItem(t=r.timestamp / 1000.0, request_id=f"mc-{n - 1}",
                               prompt_len=r.input_length, max_tokens=r.output_length,
                               sampling={"max_tokens": r.output_length, "ignore_eos": True},
-                              hash_ids=r.hash_ids))
+                              hash_ids=r.hash_ids, priority=r.priority))
     if not items:
         raise TraceError(f"{path}: no requests")
     t0 = min(i.t for i in items)
@@ -84,7 +86,7 @@ def read_kvscope(trace: Trace) -> list[WorkItem]:
     return [WorkItem(t=a.t - t0, request_id=a.id, prompt_len=a.prompt_len,
                      max_tokens=int(a.sampling.get("max_tokens", 64)), sampling=dict(a.sampling),
                      prompt=list(a.prompt) if a.prompt is not None else None,
-                     recorded_output=outs.get(a.id)) for a in arrivals]
+                     recorded_output=outs.get(a.id), priority=a.priority) for a in arrivals]
 
 
 def synthesise_prompts(items: list[WorkItem], vocab_size: int, seed: int = 0,

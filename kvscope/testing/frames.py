@@ -12,10 +12,15 @@ def blocks_frame(num_blocks: int = 64, block_size: int = 16,
                  tables: dict[str, list[int]] | None = None,
                  filled: dict[int, int] | None = None, cached: tuple[int, ...] = (),
                  running: tuple[str, ...] | None = None, seq: int = 1,
-                 tags: dict[int, int] | None = None) -> m.BlocksFrame:
+                 tags: dict[int, int] | None = None,
+                 priorities: dict[str, int] | None = None,
+                 queue_s: dict[str, float | None] | None = None,
+                 wait_reasons: dict[str, str] | None = None,
+                 preemptions: list[m.PreemptionEvent] | None = None) -> m.BlocksFrame:
     """tables: request id -> physical blocks; blocks in two tables are shared (ref 2).
     tags: block -> content tag, making the block prefix-cached (hashed); a cached block
-    without one gets its own id as its tag."""
+    without one gets its own id as its tag. priorities, queue_s, wait_reasons: per request
+    id (defaults 0, None, ""); preemptions: since the previous frame (see preemption())."""
     tables = tables or {}
     filled = filled or {}
     tags = {**{b: b for b in cached}, **(tags or {})}
@@ -26,6 +31,8 @@ def blocks_frame(num_blocks: int = 64, block_size: int = 16,
     fill = np.zeros(num_blocks, np.uint16)
     for i, rid in enumerate(ids):
         for b in tables[rid]:
+            if b < 0:  # freed behind a sliding window: in the table, not in the pool
+                continue
             if owner[b] < 0:
                 owner[b] = i
             ref[b] += 1
@@ -50,11 +57,21 @@ def blocks_frame(num_blocks: int = 64, block_size: int = 16,
         request_running=[r in running for r in ids], num_tokens=tokens,
         num_computed_tokens=tokens, table_offsets=offsets.tobytes(), tables=flat.tobytes(),
         hash_tags=hash_tags.tobytes(),
+        request_priorities=[(priorities or {}).get(r, 0) for r in ids],
+        request_queue_s=[(queue_s or {}).get(r) for r in ids],
+        request_wait_reasons=[(wait_reasons or {}).get(r, "") for r in ids],
+        preemptions=list(preemptions or ()),
         used=used, free=num_blocks - used - len(cached), cached=len(cached),
         tokens_stored=int(fill.sum()), internal_waste_slots=int(used * block_size - sum(
             int(fill[b]) for b in range(num_blocks)
             if flags[b] & m.BLOCK_STATE_MASK == m.BLOCK_USED)),
         reserved_max_len_blocks=32 * len(ids), reserved_request_blocks=8 * len(ids))
+
+
+def preemption(request_id: str, block_ids, reason: str = "memory", priority: int = 0,
+               step: int = 1) -> m.PreemptionEvent:
+    """One preemption as a blocks frame carries it (the victim's freed blocks)."""
+    return m.PreemptionEvent(request_id, reason, list(block_ids), priority, step)
 
 
 def step_frame(seq: int = 1, t: float | None = None, prefill: int = 0, decode: int = 4,
@@ -103,9 +120,11 @@ def server_counters(**overrides) -> m.ServerCounters:
 
 
 def stats_frame(seq: int = 1, t: float | None = None, config: dict | None = None,
-                server: dict | None = None, **engine) -> m.StatsFrame:
-    """config: EngineSettings fields to override; server: ServerCounters fields; any other
-    keyword: an EngineStats field (num_kv_blocks=..., kv_dtype=...)."""
+                server: dict | None = None, preemptions_by_reason: dict | None = None,
+                **engine) -> m.StatsFrame:
+    """config: EngineSettings fields to override; server: ServerCounters fields;
+    preemptions_by_reason: the cumulative counts ({"memory": 3}); any other keyword: an
+    EngineStats field (num_kv_blocks=..., kv_dtype=...)."""
     t = time.time() if t is None else t
     pct = m.Percentiles(0.05, 0.08, 0.1, 10)
     stats = engine_stats(**engine)
@@ -113,7 +132,8 @@ def stats_frame(seq: int = 1, t: float | None = None, config: dict | None = None
         seq=seq, time=t, step=seq, uptime_s=10.0, window_s=5.0, prompt_tokens_per_s=100.0,
         generation_tokens_per_s=50.0, ttft_s=pct, itl_s=pct,
         kv_usage=stats.num_used_blocks / max(1, stats.num_kv_blocks), engine=stats,
-        config=engine_settings(**(config or {})), server=server_counters(**(server or {})))
+        config=engine_settings(**(config or {})), server=server_counters(**(server or {})),
+        preemptions_by_reason=dict(preemptions_by_reason or {}))
 
 
 def heartbeat(seq: int = 1, busy: bool = False) -> m.Heartbeat:

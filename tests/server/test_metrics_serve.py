@@ -27,14 +27,16 @@ def server(tmp_path_factory):
 
 
 def scrape(url: str) -> dict[str, float]:
-    """Every sample as {name{label=value,...}: value}; the text must parse."""
+    """Every sample as {name{label=value,...}: value}; the text must parse. Series that
+    differ only by priority or preemption reason are summed (as dashboards do)."""
     text = urllib.request.urlopen(url, timeout=10).read().decode()
-    out = {}
+    out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
-                              if k not in ("model_name", "device"))
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+                              if k not in ("model_name", "device", "priority", "reason"))
+            key = f"{s.name}{{{labels}}}" if labels else s.name
+            out[key] = out.get(key, 0.0) + s.value
     return out
 
 

@@ -1,0 +1,304 @@
+"""An interactive chat beside a batch: what priority scheduling buys the chat, and what it
+costs the batch (issue 26).
+
+    python -m kvscope.benchmarks.priority_latency [--seconds S] [--json] [serve options]
+
+One real `kvscope serve --http-port 0` subprocess. Under each --policies entry (switched with
+a ZeroMQ `reconfigure`, the server and its model stay), three phases of --seconds each:
+
+* idle: the foreground alone: a short chat message every --fg-interval seconds (open loop:
+  one goes out on time even when the last is still streaming), --fg-tokens tokens out
+  (ignore_eos, so exactly that many), streamed, at priority --fg-priority (-1, as the window's
+  chat);
+* alone: the background alone: --bg-streams streamed /v1/completions in a closed loop (each
+  sends its next request when the last ended), prompts of --bg-min-words..--bg-max-words
+  random words, --bg-tokens tokens out, at priority 0;
+* beside: both at once.
+
+The background phases start measuring once every stream is producing (at most BG_READY_S
+later: the table says how many were), and count the background over exactly --seconds; the
+foreground's last chats may end after that.
+
+Reported: the foreground's TTFT (request sent -> first content chunk) and ITL (gaps between
+content chunks) p50/p99, client side, and the background's throughput (content chunks per
+second in the phase's window: one token each, for the plain-ASCII words used here), then the
+targets: TTFT p99 beside <= 1.5x idle, ITL p99 beside <= 2x idle, background beside >= 0.9x
+alone. p99 of a short phase is close to its maximum: --seconds 60+ for numbers to quote.
+The server's preemptions by reason during each phase come from its /metrics.
+
+Options not listed below go to `kvscope serve` (--model, --device, --max-num-seqs, ...).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+from kvscope.benchmarks.http_bench import SseConnection
+from kvscope.benchmarks.ipc_bench import start_server
+from kvscope.benchmarks.timing import add_json_flag, percentile, print_result, progress_logger
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+log = progress_logger("priority_latency")
+TARGETS = {"ttft_p99": 1.5, "itl_p99": 2.0, "bg_tokens_per_s": 0.9}  # beside / idle (alone)
+WORDS = (
+    "cache", "block", "token", "page", "memory", "queue", "batch", "model", "layer", "head",
+    "value", "key", "stream", "request", "latency", "budget", "window", "chunk", "prefill",
+    "decode", "policy", "engine", "server", "client", "table", "number", "river", "mountain",
+    "garden", "music", "paper", "silver", "morning", "yellow", "quiet",
+)
+BG_READY_S = 60.0  # longest wait for every background stream to produce (a loaded box)
+TOPICS = ("the weather", "a good book", "tea", "the sea", "trains", "a small cat")
+
+
+@dataclass
+class Samples:
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    fg_requests: int = 0
+    bg_chunks: list[float] = field(default_factory=list)  # arrival times of content chunks
+    bg_started: set[int] = field(default_factory=set)  # workers whose stream is producing
+
+
+@dataclass(frozen=True)
+class Load:
+    fg_interval: float
+    fg_tokens: int
+    fg_priority: int
+    bg_streams: int
+    bg_words: tuple[int, int]
+    bg_tokens: int
+    seed: int
+
+
+async def foreground_one(url: str, load: Load, k: int, out: Samples) -> None:
+    conn = SseConnection(url)
+    body = {"messages": [{"role": "user", "content": f"Say a few words about "
+                                                     f"{TOPICS[k % len(TOPICS)]}."}],
+            "max_tokens": load.fg_tokens, "ignore_eos": True, "temperature": 0,
+            "stream": True, "priority": load.fg_priority}
+    sent = last = time.perf_counter()
+    first = True
+    try:
+        async for data in conn.post("/chat/completions", body):
+            choices = json.loads(data)["choices"]
+            if not choices or not choices[0]["delta"].get("content"):
+                continue  # the role chunk, the usage chunk
+            now = time.perf_counter()
+            if first:
+                out.ttft.append(now - sent)
+                first = False
+            else:
+                out.itl.append(now - last)
+            last = now
+    finally:
+        await conn.close()
+    out.fg_requests += 1
+
+
+async def foreground(url: str, load: Load, seconds: float, out: Samples) -> None:
+    """Open loop: one chat every fg_interval until `seconds` passed, then wait for them."""
+    start, tasks = time.perf_counter(), []
+    for k in range(max(1, int(seconds / load.fg_interval))):
+        delay = start + k * load.fg_interval - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(foreground_one(url, load, k, out)))
+    await asyncio.gather(*tasks)
+
+
+async def background_worker(url: str, load: Load, worker: int, out: Samples) -> None:
+    """Closed loop until cancelled (the hang-up aborts the request in flight)."""
+    rng = random.Random(f"{load.seed}:{worker}")
+    conn = SseConnection(url)
+    try:
+        while True:
+            n = rng.randint(*load.bg_words)
+            body = {"prompt": " ".join(rng.choice(WORDS) for _ in range(n)),
+                    "max_tokens": load.bg_tokens, "ignore_eos": True, "temperature": 0,
+                    "stream": True}
+            async for data in conn.post("/completions", body):
+                if b'"text":"' in data and b'"text":""' not in data:
+                    out.bg_chunks.append(time.perf_counter())
+                    out.bg_started.add(worker)
+    finally:
+        await conn.close()
+
+
+async def phase(url: str, load: Load, seconds: float, fg: bool, bg: bool) -> dict:
+    out = Samples()
+    workers = [asyncio.create_task(background_worker(url, load, w, out))
+               for w in range(load.bg_streams if bg else 0)]
+    try:
+        deadline = time.perf_counter() + max(BG_READY_S, seconds)
+        while bg and len(out.bg_started) < load.bg_streams and time.perf_counter() < deadline:
+            await asyncio.sleep(0.05)  # every stream past its prefill: a steady background
+        producing = len(out.bg_started)
+        start = time.perf_counter()
+        if fg:  # the last chats may end after the window; the background is not counted then
+            await foreground(url, load, seconds, out)
+        else:
+            await asyncio.sleep(seconds)
+        end = start + seconds
+    finally:
+        for w in workers:
+            w.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+    chunks = sum(1 for t in out.bg_chunks if start <= t <= end)
+    return {"seconds": seconds, "bg_streams_producing": producing if bg else None,
+            "fg_requests": out.fg_requests,
+            "ttft_p50_s": percentile(out.ttft, 0.5), "ttft_p99_s": percentile(out.ttft, 0.99),
+            "itl_p50_s": percentile(out.itl, 0.5), "itl_p99_s": percentile(out.itl, 0.99),
+            "bg_tokens_per_s": chunks / seconds if bg else None}
+
+
+def preemptions(metrics_url: str) -> dict[str, float]:
+    """kvscope:num_preemptions_total by reason, from the API's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(metrics_url, timeout=30).read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "kvscope:num_preemptions_total":
+                reason = s.labels.get("reason", "")
+                out[reason] = out.get(reason, 0.0) + s.value
+    return out
+
+
+def measured(url: str, load: Load, seconds: float, fg: bool, bg: bool) -> dict:
+    metrics_url = url.removesuffix("/v1") + "/metrics"
+    before = preemptions(metrics_url)
+    result = asyncio.run(phase(url, load, seconds, fg, bg))
+    after = preemptions(metrics_url)
+    result["preemptions"] = {r: after[r] - before.get(r, 0.0) for r in after}
+    return result
+
+
+def ratios(idle: dict, alone: dict, beside: dict) -> dict:
+    def ratio(new, old):
+        return None if new is None or not old else new / old
+
+    got = {"ttft_p99": ratio(beside["ttft_p99_s"], idle["ttft_p99_s"]),
+           "itl_p99": ratio(beside["itl_p99_s"], idle["itl_p99_s"]),
+           "bg_tokens_per_s": ratio(beside["bg_tokens_per_s"], alone["bg_tokens_per_s"])}
+    meets = {k: v is not None and (v >= TARGETS[k] if k == "bg_tokens_per_s"
+                                   else v <= TARGETS[k]) for k, v in got.items()}
+    return {"ratios": got, "meets": meets}
+
+
+def bench(serve_args: list[str], policies: list[str], load: Load, seconds: float,
+          threads: int | None) -> dict:
+    from kvscope.ipc import EngineClient
+
+    proc, command, state = start_server(["--http-port", "0", *serve_args], threads)
+    out: dict = {}
+    try:
+        with EngineClient(command, state, timeout=600, heartbeat_timeout=60) as client:
+            url = client.hello().http_url
+            log(f"warm-up; the API is at {url}")
+            asyncio.run(phase(url, load, min(2.0, seconds), fg=True, bg=True))
+            for policy in policies:
+                settings = client.reconfigure(scheduling_policy=policy)
+                runs = {}
+                for name, fg, bg in (("idle", True, False), ("alone", False, True),
+                                     ("beside", True, True)):
+                    log(f"{policy}: {name} ({seconds:g} s)")
+                    runs[name] = measured(url, load, seconds, fg, bg)
+                out[policy] = {**runs, **ratios(runs["idle"], runs["alone"], runs["beside"]),
+                               "settings": {k: getattr(settings, k, None) for k in
+                                            ("scheduling_policy", "max_num_seqs",
+                                             "max_num_batched_tokens",
+                                             "max_prefill_tokens_while_decoding")}}
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    return {"seconds": seconds, "load": {**load.__dict__, "bg_words": list(load.bg_words)},
+            "targets": TARGETS, "policies": out}
+
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{1e3 * x:.0f}"
+
+
+def _ratio(r: dict, key: str) -> str:
+    v, ok = r["ratios"][key], r["meets"][key]
+    return "-" if v is None else f"{v:.2f}x {'ok' if ok else 'MISSED'}"
+
+
+def table(result: dict) -> str:
+    load = result["load"]
+    lines = [f"foreground: a chat every {load['fg_interval']} s, {load['fg_tokens']} tokens, "
+             f"priority {load['fg_priority']}; background: {load['bg_streams']} streams, "
+             f"{load['bg_words'][0]}-{load['bg_words'][1]} words, {load['bg_tokens']} tokens; "
+             f"{result['seconds']:g} s per phase",
+             f"{'policy':9s}{'phase':8s}{'TTFT p50':>9s}{'p99':>7s}{'ITL p50':>9s}{'p99':>7s}"
+             f"{'bg tok/s':>10s}{'fg reqs':>9s}  preemptions (memory/priority)  bg streams "
+             f"producing at the start"]
+    for policy, r in result["policies"].items():
+        for name in ("idle", "alone", "beside"):
+            p = r[name]
+            bg = "-" if p["bg_tokens_per_s"] is None else f"{p['bg_tokens_per_s']:.1f}"
+            pre = p["preemptions"]
+            lines.append(f"{policy:9s}{name:8s}{_ms(p['ttft_p50_s']):>9s}"
+                         f"{_ms(p['ttft_p99_s']):>7s}{_ms(p['itl_p50_s']):>9s}"
+                         f"{_ms(p['itl_p99_s']):>7s}{bg:>10s}{p['fg_requests']:>9d}  "
+                         f"{pre.get('memory', 0):.0f}/{pre.get('priority', 0):.0f}"
+                         + ("" if p["bg_streams_producing"] is None
+                            else f"  {p['bg_streams_producing']}/{load['bg_streams']}"))
+        lines.append(f"{'':9s}targets: TTFT p99 {_ratio(r, 'ttft_p99')} (<= 1.5x idle), "
+                     f"ITL p99 {_ratio(r, 'itl_p99')} (<= 2x idle), background "
+                     f"{_ratio(r, 'bg_tokens_per_s')} (>= 0.9x alone)")
+    lines.append("times in ms, client side; p99 of a short phase is about its maximum")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvscope.benchmarks.priority_latency",
+                                description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_json_flag(p, "one JSON object on stdout (the table goes to stderr)")
+    p.add_argument("--seconds", type=float, default=30.0,
+                   help="length of each phase (three per policy; default 30)")
+    p.add_argument("--policies", default="fcfs,priority",
+                   help="comma-separated scheduling policies to compare")
+    p.add_argument("--fg-interval", type=float, default=1.5)
+    p.add_argument("--fg-tokens", type=int, default=48)
+    p.add_argument("--fg-priority", type=int, default=-1)
+    p.add_argument("--bg-streams", type=int, default=16)
+    p.add_argument("--bg-min-words", type=int, default=200)
+    p.add_argument("--bg-max-words", type=int, default=700)
+    p.add_argument("--bg-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--server-threads", type=int, default=None,
+                   help="OMP_NUM_THREADS for the server (torch threads)")
+    args, serve_args = p.parse_known_args(argv)
+    problems = [f"--{name.replace('_', '-')} must be > 0" for name in
+                ("seconds", "fg_interval", "fg_tokens", "bg_streams", "bg_min_words",
+                 "bg_tokens") if not getattr(args, name) > 0]
+    if args.bg_max_words < args.bg_min_words:
+        problems.append("--bg-max-words must be >= --bg-min-words")
+    policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    if not policies:
+        problems.append("--policies names no policy")
+    if problems:
+        print(f"priority_latency: error: {'; '.join(problems)}", file=sys.stderr)
+        return 2
+    load = Load(args.fg_interval, args.fg_tokens, args.fg_priority, args.bg_streams,
+                (args.bg_min_words, args.bg_max_words), args.bg_tokens, args.seed)
+    result = bench(serve_args, policies, load, args.seconds, args.server_threads)
+    print_result(result, table, args.json, table_to_stderr=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""benchmarks/priority_latency.py at its smallest on the tiny chat model: every phase of every
+policy reports, the server really ran under each policy, the targets are judged right (the
+numbers themselves come from running the benchmark, not from here)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvscope.benchmarks import priority_latency as bench
+from tests.support.server_harness import save_chat_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return save_chat_model(tmp_path_factory.mktemp("chat"), seed=1)
+
+
+def test_a_short_run_reports_each_phase_of_each_policy(model, capsys):
+    argv = ["--model", str(model), "--device", "cpu", "--max-model-len", "256", "--json",
+            "--seconds", "1.5", "--fg-interval", "0.5", "--fg-tokens", "5", "--bg-streams", "2",
+            "--bg-min-words", "3", "--bg-max-words", "6", "--bg-tokens", "12"]
+    assert bench.main(argv) == 0
+    captured = capsys.readouterr()
+    r = json.loads(captured.out)
+    assert "targets: TTFT p99" in captured.err  # the table, beside the JSON
+    assert list(r["policies"]) == ["fcfs", "priority"]
+    for policy, runs in r["policies"].items():
+        assert runs["settings"]["scheduling_policy"] == policy
+        idle, alone, beside = runs["idle"], runs["alone"], runs["beside"]
+        for p in (idle, beside):
+            assert p["fg_requests"] == 3  # 1.5 s at one every 0.5 s, all finished
+            assert 0 < p["ttft_p50_s"] <= p["ttft_p99_s"]
+            assert 0 <= p["itl_p50_s"] <= p["itl_p99_s"]
+        assert idle["bg_tokens_per_s"] is None and alone["fg_requests"] == 0
+        assert alone["bg_tokens_per_s"] > 0 and beside["bg_tokens_per_s"] > 0
+        assert set(beside["preemptions"]) == {"memory", "priority"}
+        assert set(runs["ratios"]) == set(bench.TARGETS) == set(runs["meets"])
+
+
+def test_targets_are_judged_in_the_right_direction():
+    idle = {"ttft_p99_s": 0.1, "itl_p99_s": 0.02, "bg_tokens_per_s": None}
+    alone = {"ttft_p99_s": None, "itl_p99_s": None, "bg_tokens_per_s": 100.0}
+    good = {"ttft_p99_s": 0.15, "itl_p99_s": 0.04, "bg_tokens_per_s": 90.0}
+    bad = {"ttft_p99_s": 0.16, "itl_p99_s": 0.041, "bg_tokens_per_s": 89.0}
+    assert bench.ratios(idle, alone, good)["meets"] == dict.fromkeys(bench.TARGETS, True)
+    assert bench.ratios(idle, alone, bad)["meets"] == dict.fromkeys(bench.TARGETS, False)
+    assert bench.ratios(idle, alone, good)["ratios"]["ttft_p99"] == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--seconds", "0"], "--seconds must be > 0"),
+    (["--bg-min-words", "9", "--bg-max-words", "3"], "--bg-max-words must be >= --bg-min"),
+    (["--policies", ","], "--policies names no policy"),
+])
+def test_bad_options_are_clear_errors(args, message, capsys):
+    assert bench.main(args) == 2
+    assert message in capsys.readouterr().err
