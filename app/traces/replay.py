@@ -1,5 +1,7 @@
-"""Open a trace, replay it against the settings in the controls (`kvscope trace replay` in a
-QProcess: the GUI stays live), overlay the two runs and show `kvscope trace compare` ratios."""
+"""Open a trace, replay it against the settings in the controls or against an OpenAI-compatible
+server (`kvscope trace replay [--url]` in a QProcess: the GUI stays live, the server replay's
+progress shows as it goes), overlay the two runs, and compare two runs (`kvscope trace
+compare`): a table of ratios and TTFT / inter-token latency CDFs side by side."""
 from __future__ import annotations
 
 import json
@@ -11,19 +13,24 @@ from PySide6.QtCore import QProcess, Qt, Signal
 from PySide6.QtWidgets import (
     QFileDialog,
     QGridLayout,
+    QGroupBox,
     QHeaderView,
     QLabel,
     QProgressBar,
     QPushButton,
     QTableWidget,
     QTableWidgetItem,
+    QTabWidget,
     QVBoxLayout,
     QWidget,
 )
 
 from kvscope.app.engine_process import engine_qprocess
+from kvscope.app.traces.cdf_plot import TraceCdfPlot
 from kvscope.app.traces.file import read_series
 from kvscope.app.traces.plot import TraceOverlayPlot
+from kvscope.app.traces.progress import ProgressReader
+from kvscope.app.traces.url_form import API_KEY_ENV, ReplayUrlForm
 from kvscope.ipc.trace_format import TraceError
 
 # How the trace header's KV rotation reads after the dtype (traces before rotation: none).
@@ -31,6 +38,11 @@ ROTATION_SUFFIX = {"hadamard": " + rotated", "calibrated": " + rotated, K-balanc
 COMPARE_KEYS = ("duration_s", "throughput_tok_s", "steps", "ttft_p50_ms", "ttft_p90_ms",
                 "itl_p50_ms", "itl_p90_ms", "preemptions", "kv_usage_peak", "kv_usage_mean",
                 "internal_waste_mean", "output_tokens")
+# compare's serving metrics, for runs against a server (the engine rows mean nothing there).
+SERVING_KEYS = ("succeeded", "failed", "request_throughput", "output_throughput",
+                "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p90_ms",
+                "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "e2e_p50_ms", "e2e_p90_ms",
+                "e2e_p99_ms", "duration_s", "output_tokens")
 
 
 def trace_command(*args: str) -> list[str]:
@@ -72,6 +84,26 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)
+
+
+def _ratio(a: object, b: object) -> float | None:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a:
+        return b / a
+    return None
+
+
+def _summary_rows(result: dict) -> list[tuple[str, object, object, float | None]]:
+    """Two kvscope runs: the summaries' numbers, the engine's first."""
+    a, b, ratio = result.get("a", {}), result.get("b", {}), result.get("ratio", {})
+    keys = [k for k in COMPARE_KEYS if k in a] + [k for k in ratio if k not in COMPARE_KEYS]
+    return [(k, a.get(k), b.get(k), ratio.get(k)) for k in keys]
+
+
+def _serving_rows(a: dict, b: dict) -> list[tuple[str, object, object, float | None]]:
+    """A run against a server: compare's serving metrics (throughput, latency percentiles)."""
+    def get(run: dict, key: str) -> object:
+        return run.get("metrics", {}).get(key, run.get(key))
+    return [(k, get(a, k), get(b, k), _ratio(get(a, k), get(b, k))) for k in SERVING_KEYS]
 
 
 class TraceReplayPanel(QWidget):
@@ -122,6 +154,22 @@ class TraceReplayPanel(QWidget):
         self.status.setObjectName("traceReplayStatus")
         self.status.setWordWrap(True)
         self.plot = TraceOverlayPlot()
+        self.cdf_plot = TraceCdfPlot()
+        self.url_form = ReplayUrlForm()
+        self.url_button = QPushButton("Replay against server")
+        self.url_button.setObjectName("traceReplayUrlButton")
+        self.url_button.setToolTip("stream the trace's requests, at their recorded times, to an "
+                                   "OpenAI-compatible server (vLLM, SGLang, llama-server, "
+                                   "Ollama, kvscope serve)")
+        self.url_button.setEnabled(False)
+        self.url_button.clicked.connect(self.replay_url)
+        self.compare_button = QPushButton("Compare with…")
+        self.compare_button.setToolTip("another run of the same requests (a replay, another "
+                                       "server's run) against the open trace")
+        self.compare_button.setEnabled(False)
+        self.compare_button.clicked.connect(self.browse_compare)
+        self.progress_reader = ProgressReader()
+        self.compared_names: list[str] = []
         self.table = QTableWidget(0, 4)
         self.table.setHorizontalHeaderLabels(["", "recorded", "replay", "ratio"])
         self.table.verticalHeader().hide()
@@ -137,13 +185,23 @@ class TraceReplayPanel(QWidget):
         buttons.addWidget(self.export_button, 0, 1)
         buttons.addWidget(self.replay_button, 1, 0)
         buttons.addWidget(self.cancel_button, 1, 1)
+        buttons.addWidget(self.compare_button, 2, 0)
+        server_box = QGroupBox("Against a server (OpenAI API)")
+        server_layout = QVBoxLayout(server_box)
+        server_layout.addWidget(self.url_form)
+        server_layout.addWidget(self.url_button)
+        plots = QTabWidget()
+        plots.addTab(self.plot, "steps")
+        plots.addTab(self.cdf_plot, "latency CDFs")
+        self.plot_tabs = plots
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addLayout(buttons)
+        layout.addWidget(server_box)
         layout.addWidget(self.trace_label)
         layout.addWidget(self.progress)
         layout.addWidget(self.status)
-        layout.addWidget(self.plot, 2)
+        layout.addWidget(plots, 2)
         layout.addWidget(self.table, 1)
 
     @property
@@ -175,8 +233,8 @@ class TraceReplayPanel(QWidget):
             f"{Path(path).name}{note}\n{h.model} · block {h.block_size} · KV "
             f"{h.kv_dtype}{ROTATION_SUFFIX.get(h.kv_rotation, '')}"
             f" · {len(series.t)} steps")
-        self.replay_button.setEnabled(not self.busy)
-        self.export_button.setEnabled(not self.busy)
+        self.cdf_plot.clear()
+        self._set_busy(self.busy)
         self.status.setText("")
         return True
 
@@ -229,9 +287,56 @@ class TraceReplayPanel(QWidget):
                                             "-o", self.replay_path, *args))
         self.status.setText("replaying (as fast as the engine goes)…")
 
-    def _start(self, stage: str, argv: list[str]) -> None:
+    def replay_url(self) -> None:
+        """`kvscope trace replay TRACE --url ...` with progress lines, then compare."""
+        if self.trace is None or self.busy:
+            return
+        if not self.url_form.url_edit.text().strip():
+            self.status.setText("give the server's URL, e.g. http://127.0.0.1:8000/v1")
+            return
+        self.replay_path = replay_output_path(self.trace)
+        self.summary = self.comparison = None
+        self.plot.clear_run("replay")
+        self.cdf_plot.clear()
+        self.table.setRowCount(0)
+        self.progress_reader = ProgressReader()
+        self.progress.setRange(0, 0)
+        self._start("replay_url", trace_command("replay", self.trace, *self.url_form.replay_args(),
+                                                "--progress", "--json", "-o", self.replay_path),
+                    api_key=self.url_form.api_key())
+        self.status.setText(f"replaying against {self.url_form.url_edit.text().strip()}…")
+
+    def browse_compare(self) -> None:
+        if self.trace is None or self.busy:
+            return
+        path, _ = QFileDialog.getOpenFileName(self, "Compare with", str(Path(self.trace).parent),
+                                              "kvscope traces (*.jsonl);;All files (*)")
+        if path:
+            self.compare_with(path)
+
+    def compare_with(self, other: str) -> None:
+        """`kvscope trace compare OPEN OTHER --json`: the table and the CDFs."""
+        if self.trace is None or self.busy:
+            return
+        self.comparison = None
+        self._compare(other)
+
+    def _compare(self, other: str, say: bool = True) -> None:
+        """say: whether the status line says so (after a replay it keeps the replay's)."""
+        self.compared_names = [Path(self.trace or "").name, Path(other).name]
+        self._start("compare", trace_command("compare", self.trace or "", other, "--json"))
+        if say:
+            self.status.setText(f"comparing with {Path(other).name}…")
+
+    def _start(self, stage: str, argv: list[str], api_key: str | None = None) -> None:
         self._stage, self._out, self._err = stage, b"", b""
         proc = engine_qprocess(self)
+        if api_key is not None:  # the key in the child's environment, never in its argv
+            env = proc.processEnvironment()
+            env.remove(API_KEY_ENV)
+            if api_key:
+                env.insert(API_KEY_ENV, api_key)
+            proc.setProcessEnvironment(env)
         proc.readyReadStandardOutput.connect(self._read)
         proc.readyReadStandardError.connect(self._read)
         proc.finished.connect(self._finished)
@@ -243,7 +348,18 @@ class TraceReplayPanel(QWidget):
     def _read(self) -> None:
         if self.proc is not None:
             self._out += bytes(self.proc.readAllStandardOutput())
-            self._err += bytes(self.proc.readAllStandardError())
+            err = bytes(self.proc.readAllStandardError())
+            self._err += err
+            if self._stage == "replay_url" and err:
+                self._show_progress(self.progress_reader.feed(err))
+
+    def _show_progress(self, p) -> None:
+        if p is None:
+            return
+        self.progress.setRange(0, max(1, p.total))
+        self.progress.setValue(p.done)
+        self.status.setText(f"{p.done}/{p.total} requests done, {p.in_flight} in flight"
+                            + (f", {p.errors} failed" if p.errors else ""))
 
     def _finished(self, code: int, _status) -> None:
         self._read()
@@ -258,7 +374,7 @@ class TraceReplayPanel(QWidget):
             tail = "\n".join(self._err.decode(errors="replace").strip().splitlines()[-4:])
             self._fail(f"{self._stage} failed (exit code {code})" + (f":\n{tail}" if tail else ""))
             return
-        if self._stage == "replay":
+        if self._stage in ("replay", "replay_url"):
             self.on_replayed(result)
         else:
             self.on_compared(result)
@@ -282,32 +398,43 @@ class TraceReplayPanel(QWidget):
         except (OSError, TraceError) as exc:
             self._fail(f"could not read the replay: {exc}")
             return
-        rejected = summary.get("rejected") or {}
+        rejected = summary.get("rejected") or summary.get("request_errors") or {}
         same = summary.get("outputs_identical")
         outputs = ("outputs identical" if same else "outputs differ" if same is False
                    else f"outputs not compared: {summary.get('outputs_not_compared')}")
+        where = (f" against {summary.get('url')} ({summary.get('served_model')})"
+                 if summary.get("url") else f" ({summary.get('steps')} steps)")
+        failed = "failed" if summary.get("url") else "rejected"
+        early = summary.get("ended_early") or 0
         self.status.setText(
-            f"replayed {summary.get('requests')} requests in {_fmt(summary.get('duration_s'))} s"
-            f" ({summary.get('steps')} steps, {_fmt(summary.get('throughput_tok_s'))} tok/s); "
-            f"{outputs}" + (f"; {len(rejected)} rejected" if rejected else "")
+            f"replayed {summary.get('requests')} requests{where} in "
+            f"{_fmt(summary.get('duration_s'))} s, {_fmt(summary.get('throughput_tok_s'))} "
+            f"tok/s; {outputs}" + (f"; {len(rejected)} {failed}" if rejected else "")
+            + (f"; {early} ended early" if early else "")
+            + (f"; {summary.get('stopped')}" if summary.get("stopped") else "")
             + f"\n→ {Path(self.replay_path).name}")
-        self.status.setToolTip(self.replay_path)
-        self._start("compare", trace_command("compare", self.trace, self.replay_path, "--json"))
+        self.status.setToolTip("\n".join([self.replay_path or "", *(
+            f"{rid}: {message}" for rid, message in list(rejected.items())[:10])]))
+        self._compare(self.replay_path or "", say=False)
 
     def on_compared(self, result: dict) -> None:
         self._set_busy(False)
         self.comparison = result
-        a, b, ratio = result.get("a", {}), result.get("b", {}), result.get("ratio", {})
-        keys = [k for k in COMPARE_KEYS if k in a] + [k for k in ratio if k not in COMPARE_KEYS]
-        self.table.setRowCount(len(keys))
-        for row, key in enumerate(keys):
-            r = ratio.get(key)
-            for col, text in enumerate((key, _fmt(a.get(key)), _fmt(b.get(key)),
-                                        "—" if r is None else f"{r:.3g}×")):
+        runs = result.get("runs") or []
+        if any(r.get("server_url") for r in runs[:2]):
+            self._fill_table(_serving_rows(runs[0], runs[1]))
+        else:
+            self._fill_table(_summary_rows(result))
+        self.cdf_plot.show_runs(self.compared_names, result.get("cdf") or [])
+        self.finished.emit(True)
+
+    def _fill_table(self, rows: list[tuple[str, object, object, float | None]]) -> None:
+        self.table.setRowCount(len(rows))
+        for row, (key, a, b, r) in enumerate(rows):
+            for col, text in enumerate((key, _fmt(a), _fmt(b), "—" if r is None else f"{r:.3g}×")):
                 item = QTableWidgetItem(text)
                 item.setToolTip(text)  # the stretched columns may elide it
                 self.table.setItem(row, col, item)
-        self.finished.emit(True)
 
     def _fail(self, message: str) -> None:
         self._set_busy(False)
@@ -316,10 +443,15 @@ class TraceReplayPanel(QWidget):
 
     def _set_busy(self, busy: bool) -> None:
         self.progress.setVisible(busy)
+        if not busy:
+            self.progress.setRange(0, 0)
         self.cancel_button.setEnabled(busy)
         self.open_button.setEnabled(not busy)
-        self.replay_button.setEnabled(not busy and self.trace is not None)
-        self.export_button.setEnabled(not busy and self.trace is not None)
+        ready = not busy and self.trace is not None
+        for button in (self.replay_button, self.export_button, self.url_button,
+                       self.compare_button):
+            button.setEnabled(ready)
+        self.url_form.set_enabled(not busy)
 
     def cancel(self) -> None:
         if self.stop():

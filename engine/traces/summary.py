@@ -9,9 +9,11 @@ import msgspec
 from kvscope.ipc.trace_format import (
     Abort,
     Arrival,
+    Chunk,
     Finish,
     Preempt,
     Reconfigure,
+    Response,
     Step,
     Token,
     Trace,
@@ -45,6 +47,10 @@ class TraceSummary(msgspec.Struct):
     kv_usage_mean: float
     internal_waste_mean: float
     truncated: bool
+    # Runs against an external server (trace replay --url): requests that failed (any HTTP
+    # error), and the server's URL; 0 and None for kvscope's own traces.
+    errors: int = 0
+    server_url: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self)
@@ -80,14 +86,19 @@ def token_times(trace: Trace) -> TokenTimes:
     last_token: dict[str, float] = {}
     itl: list[float] = []
     output_tokens = 0
-    for ev in trace.of_type(Token):
-        output_tokens += len(ev.tokens)
+    for ev in trace.events:  # an external run's streamed chunks count as token events
+        if not isinstance(ev, (Token, Chunk)):
+            continue
+        output_tokens += len(ev.tokens) if isinstance(ev, Token) else ev.tokens
         if ev.id in last_token:
             itl.append(ev.t - last_token[ev.id])
         else:
             first_token[ev.id] = ev.t
         last_token[ev.id] = ev.t
     ttft = [first_token[i] - arrival_t[i] for i in first_token if i in arrival_t]
+    responses = trace.of_type(Response)
+    if responses:  # the server's usage counts, not chunks (a chunk may hold several tokens)
+        output_tokens = sum(r.completion_tokens or 0 for r in responses)
     return TokenTimes(ttft=ttft, itl=itl, output_tokens=output_tokens)
 
 
@@ -126,4 +137,6 @@ def summarize(trace: Trace) -> TraceSummary:
         itl_p90_ms=_ms(percentile(times.itl, 90)), itl_p99_ms=_ms(percentile(times.itl, 99)),
         preemptions=len(trace.of_type(Preempt)), reconfigures=len(trace.of_type(Reconfigure)),
         kv_usage_peak=max(usage, default=0.0), kv_usage_mean=_mean(usage),
-        internal_waste_mean=_mean(internal_waste(trace)), truncated=trace.truncated)
+        internal_waste_mean=_mean(internal_waste(trace)), truncated=trace.truncated,
+        errors=sum(r.error is not None for r in trace.of_type(Response)),
+        server_url=h.server.url if h.server is not None else None)
