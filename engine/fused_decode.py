@@ -105,19 +105,25 @@ def unsupported_reason(model: object) -> str | None:
     instead; the first time a reason comes up it is logged (the status bar shows it too:
     decode_path_notice)."""
     reason = _family_reason(model)
-    if reason is not None and reason not in _told:
-        _told.add(reason)
-        log.warning("%s", reason)
+    if reason is not None:
+        _tell(reason)
     return reason
 
 
 _told: set[str] = set()  # reasons logged already: one line per reason and process
 
 
+def _tell(reason: str) -> None:
+    if reason not in _told:
+        _told.add(reason)
+        log.warning("%s", reason)
+
+
 def decode_path_notice(model: object) -> str:
     """The one-line notice for the window (EngineSettings.decode_path_notice): "" when the
     fused decode covers the model's family."""
-    return _family_reason(model) or ""
+    reason = _family_reason(model) or getattr(model, "matmul_reason", None)
+    return reason or ""
 
 
 def _family_reason(model: object) -> str | None:
@@ -141,24 +147,39 @@ def _family_reason(model: object) -> str | None:
     return None
 
 
-def matmul_rows(model: FusedModel) -> torch.dtype | None:
-    """The dtype of the matmuls' input/output rows if the model's decode steps can fuse
-    (bfloat16 for int4, the model's dtype for dense), else None."""
+def matmul_plan(model: FusedModel) -> tuple[torch.dtype | None, str | None]:
+    """(rows, why not): rows, the dtype of the matmuls' input/output rows if the model's
+    decode steps can fuse (bfloat16 for int4, the model's dtype for dense), else None; why
+    not: why this model's matmuls keep its decode off the fused step,
+    None when they do not or when the model is not on the CPU's native kernels at all (where
+    nothing fuses by design). A reason is logged once, like unsupported_reason's."""
+    rows, reason = _matmul_plan(model)
+    if reason is not None:
+        _tell(reason)
+    return rows, reason
+
+
+def _matmul_plan(model: FusedModel) -> tuple[torch.dtype | None, str | None]:
     linears = [getattr(layer, n) for layer in model.layers
                for n in ("qkv", "o_proj", "gate_up", "down")]
     s = model.shape
     widest = max(s.hidden_size, model.layers[0].down.shape[1],
                  (s.num_heads + 2 * s.num_kv_heads) * s.head_dim)
-    if (model.device != "cpu" or model.dtype not in (torch.float32, BF16)
-            or s.head_dim > MAX_HEAD_DIM or widest > ROW_MAX
-            or ops.backend(model.device) != "cpu"  # KVSCOPE_KERNELS=ref: torch only
-            or any(x.bias is not None for x in linears)):
-        return None
+    if model.device != "cpu" or ops.backend(model.device) != "cpu":
+        return None, None  # a GPU, or KVSCOPE_KERNELS=ref: torch only, as asked
+    why = "the fused CPU decode does not take"
+    if model.dtype not in (torch.float32, BF16):
+        return None, f"{why} a {str(model.dtype).removeprefix('torch.')} model"
+    if s.head_dim > MAX_HEAD_DIM or widest > ROW_MAX:
+        return None, f"{why} heads over {MAX_HEAD_DIM} or rows over {ROW_MAX} values"
+    if any(x.bias is not None for x in linears):
+        return None, f"{why} projections with a bias (as qwen2's q/k/v)"
     if model.dtype == torch.float32 and all(isinstance(x, Int4Linear) for x in linears):
-        return BF16
+        return BF16, None
     if all(isinstance(x, DenseLinear) and x.native for x in linears):
-        return model.dtype
-    return None
+        return model.dtype, None
+    kinds = sorted({type(x).__name__ for x in linears})
+    return None, f"{why} these weights ({', '.join(kinds)} in a {model.dtype} model)"
 
 
 @dataclass
@@ -217,7 +238,7 @@ def supports_step(meta: AttentionMetadata, pool: FusedPool) -> bool:
 
 def int4(x: torch.Tensor, linear: Linear) -> torch.Tensor:
     """bfloat16 x [T, in] -> bfloat16 [T, out], without the float32 round trip."""
-    if not isinstance(linear, Int4Linear):  # matmul_rows chose int4 for every matmul
+    if not isinstance(linear, Int4Linear):  # matmul_plan chose int4 for every matmul
         raise TypeError(f"an int4 decode step got a {type(linear).__name__}")
     y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(  # torch.ops is typed Any
         x, linear.packed, INT4_GROUP, linear.scale_zero)
@@ -225,7 +246,7 @@ def int4(x: torch.Tensor, linear: Linear) -> torch.Tensor:
 
 
 def dense(x: torch.Tensor, linear: Linear) -> torch.Tensor:
-    if not isinstance(linear, DenseLinear):  # matmul_rows chose dense for every matmul
+    if not isinstance(linear, DenseLinear):  # matmul_plan chose dense for every matmul
         raise TypeError(f"a dense decode step got a {type(linear).__name__}")
     return cpu_linear.linear(x, linear.weight)
 
@@ -280,7 +301,7 @@ def run_layers(model: FusedModel, input_ids: torch.Tensor, positions: torch.Tens
     """The residual stream [T, hidden] float32 after the last layer (before the final norm)."""
     io_dtype, tables = model.fused_rows, model.fused_tables
     if io_dtype is None or tables is None:
-        raise ValueError("this model's decode steps do not fuse (see matmul_rows)")
+        raise ValueError("this model's decode steps do not fuse (see matmul_plan)")
     s, rows = model.shape, len(input_ids)
     step = Step(native.require_library(), model, tables, io_dtype, rows,
                 embed(model, input_ids), torch.empty(rows, s.hidden_size, dtype=io_dtype),

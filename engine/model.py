@@ -170,7 +170,9 @@ class PagedLlama:
         # Decode steps on the CPU (float32 int4, float32 or bfloat16 dense) fuse the glue
         # between matmuls, for the families the fused step covers.
         self.fused_reason = fused_decode.unsupported_reason(self)
-        self.fused_rows = None if self.fused_reason else fused_decode.matmul_rows(self)
+        # Off the fused step for its weights too (a bias, int8, float16): said, never silent.
+        self.fused_rows, self.matmul_reason = (None, None) if self.fused_reason else \
+            fused_decode.matmul_plan(self)
         self.fused_decode = self.fused_rows is not None
         self.fused_tables = fused_decode.float32_tables(self) if self.fused_decode else None
 

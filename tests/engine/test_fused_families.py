@@ -252,3 +252,23 @@ def test_the_window_and_softcap_need_the_native_attention_to_take_them(checkpoin
     assert reason is not None and "sliding window" in reason
     mistral = make_llm(checkpoints("mistral"))  # built while the attention lacks `window`
     assert not mistral.engine.model.fused_decode
+
+
+@pytest.mark.skipif(not native.available(), reason="the native CPU kernels did not build")
+@pytest.mark.parametrize(("arch", "weights", "said"), [("qwen2", "dense", "bias"),
+                                                        ("llama", "int8", "Int8Linear")])
+def test_weights_the_fused_step_cannot_take_are_said_not_silent(checkpoints, monkeypatch,
+                                                                 caplog, arch, weights, said):
+    """qwen2's q/k/v bias and int8 weights keep the decode on the ordinary forward: one log
+    line says so, and so does the window's notice; a model that fuses has none."""
+    monkeypatch.setattr(fused_decode, "_told", set())
+    with caplog.at_level("WARNING", logger="kvscope.engine"):
+        llm = make_llm(checkpoints(arch), weights=weights)
+    model = llm.engine.model
+    assert not model.fused_decode
+    notice = snapshots.engine_settings(llm.engine).decode_path_notice
+    assert said in notice and notice == model.matmul_reason
+    assert [r.getMessage() for r in caplog.records if r.name == "kvscope.engine"] == [notice]
+    fused = make_llm(checkpoints("llama")).engine
+    assert fused.model.fused_decode
+    assert snapshots.engine_settings(fused).decode_path_notice == ""
