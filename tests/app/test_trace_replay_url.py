@@ -51,7 +51,9 @@ def test_replay_against_a_server_shows_progress_and_compares(qtbot, tmp_path):
     assert panel.cdf_plot.points(0, "ttft_ms") == 2 and panel.cdf_plot.points(1, "ttft_ms") == 2
     assert panel.cdf_plot.points(1, "itl_ms") == 4
     runs = panel.comparison["runs"]
-    assert runs[1]["server_url"] == srv.url and runs[1]["metrics"]["ttft_p99_ms"] >= 1000
+    # The planned 1 s before the first chunk, as the client timed it (its clock starts a few
+    # ms after the server's, so not exactly 1000); the other requests' is 50 ms.
+    assert runs[1]["server_url"] == srv.url and runs[1]["metrics"]["ttft_p99_ms"] >= 900
     assert not panel.busy and panel.compare_button.isEnabled()
 
 

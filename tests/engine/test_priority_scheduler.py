@@ -528,7 +528,7 @@ def test_cli_flags_reach_the_config():
     add_engine_options(p)
     cfg = engine_config_from_args(p.parse_args([]))
     assert (cfg.scheduling_policy, cfg.priority_aging_s,
-            cfg.max_prefill_tokens_while_decoding) == ("priority", 10.0, 128)
+            cfg.max_prefill_tokens_while_decoding) == ("priority", 60.0, 32)
     cfg = engine_config_from_args(p.parse_args(
         ["--scheduling-policy", "fcfs", "--priority-aging-s", "2.5",
          "--max-prefill-tokens-while-decoding", "0"]))
