@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kvscope.engine import LLM, EngineConfig, SamplingParams
+from kvscope.testing.hf_reference import hf_greedy
 from kvscope.testing.tiny_models import save_tiny_model
 
 
@@ -23,15 +24,6 @@ def tiny(request, tmp_path_factory):
 def random_prompts(lengths, seed=0, vocab=250):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def hf_greedy(hf, prompt, n):
-    with torch.inference_mode():
-        ids = torch.tensor([prompt])
-        # An explicit mask: otherwise generate treats any token equal to pad_token_id as padding.
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                          do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16, 64])

@@ -20,6 +20,7 @@ import torch
 from kvscope.engine import LLM, EngineConfig, SamplingParams
 from kvscope.engine.kv_calibration import queries_and_keys
 from kvscope.engine.scoring import token_log_probs
+from kvscope.testing.hf_reference import hf_greedy
 from kvscope.testing.tiny_models import PHI3_MAX_LEN, WINDOW, save_tiny_model
 
 # name: (arch, overrides); llama with biases on every projection rides along.
@@ -71,14 +72,6 @@ def random_prompts(lengths, seed=0, vocab=250):
 
 
 PROMPTS = random_prompts(PROMPT_LENGTHS, seed=1)
-
-
-def hf_greedy(hf, prompt, n):
-    with torch.inference_mode():
-        ids = torch.tensor([prompt])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                          do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def hf_log_probs(hf, ids):

@@ -13,6 +13,7 @@ import torch
 from kvscope.engine import LLM, EngineConfig, SamplingParams, fused_decode
 from kvscope.engine.server import snapshots
 from kvscope.kernels import native
+from kvscope.testing.hf_reference import hf_greedy
 from kvscope.testing.tiny_models import WINDOW, save_tiny_model
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no native CPU kernels here")
@@ -185,14 +186,6 @@ def test_each_family_feature_changes_the_fused_step(checkpoints, arch, monkeypat
             else:
                 mp.setattr(fused_decode, "attention", windowless(fused_decode.attention))
             assert relative(forward(model, True, step), plain) > 1e-3, name
-
-
-def hf_greedy(hf, prompt, n):
-    with torch.inference_mode():
-        ids = torch.tensor([prompt])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                          do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kvscope.engine import LLM, EngineConfig, SamplingParams
+from kvscope.testing.hf_reference import hf_greedy
 from kvscope.testing.tiny_gguf import write_tiny_gguf
 from kvscope.testing.tiny_models import save_tiny_model
 
@@ -61,14 +62,6 @@ def tiny_pair(tmp_path, arch: str, overrides: dict, name: str | None = None):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
     return hf, write_tiny_gguf(hf, tmp_path / f"tiny-{arch}.gguf", name)
-
-
-def hf_greedy(hf, prompt, n):
-    with torch.inference_mode():
-        ids = torch.tensor([prompt])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                          do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def gguf_llm(gguf) -> LLM:

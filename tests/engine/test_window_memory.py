@@ -15,6 +15,7 @@ from kvscope.engine.sequence import Sequence
 from kvscope.engine.server.snapshots import blocks_frame
 from kvscope.ipc import messages as m
 from kvscope.kvmath.kv_size import sequence_blocks, shape_from_config
+from kvscope.testing import hf_reference
 from kvscope.testing.tiny_models import save_tiny_model
 
 WINDOW, BS = 8, 4
@@ -57,16 +58,8 @@ def hf_greedy(hf, prompt, n):
     """Hugging Face's greedy continuation, computed once per model, prompt and length."""
     key = (id(hf), tuple(prompt), n)
     if key not in HF_OUTPUTS:
-        HF_OUTPUTS[key] = _hf_greedy(hf, prompt, n)
+        HF_OUTPUTS[key] = hf_reference.hf_greedy(hf, prompt, n)
     return HF_OUTPUTS[key]
-
-
-def _hf_greedy(hf, prompt, n):
-    with torch.inference_mode():
-        ids = torch.tensor([prompt])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                          do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def json_config(path) -> dict:
