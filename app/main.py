@@ -17,7 +17,8 @@ ENGINE_OPTIONS = {  # option -> takes a value (passed through to the engine chil
     "--kv-dtype": True, "--kv-cache-bytes": True, "--num-kv-blocks": True,
     "--max-num-seqs": True, "--max-num-batched-tokens": True, "--max-model-len": True,
     "--no-prefix-caching": False, "--seed": True, "--state-hz": True, "--metrics-port": True,
-    "--http-port": True,
+    "--http-port": True, "--scheduling-policy": True, "--priority-aging-s": True,
+    "--max-prefill-tokens-while-decoding": True,
 }
 STYLE = Path(__file__).resolve().parent.parent / "resources" / "style.qss"
 
@@ -66,6 +67,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--seed", type=int)
     g.add_argument("--state-hz", type=float)
+    g.add_argument("--scheduling-policy", choices=["priority", "fcfs"],
+                   help="priority (default): the chat's requests (-1) go before others (0)")
+    g.add_argument("--priority-aging-s", type=float, metavar="S")
+    g.add_argument("--max-prefill-tokens-while-decoding", type=int, metavar="N")
     g.add_argument("--metrics-port", type=int, metavar="P",
                    help="the engine serves Prometheus metrics on 127.0.0.1:P/metrics")
     g.add_argument("--http-port", type=int, metavar="P",

@@ -131,6 +131,10 @@ def test_engine_options_pass_through():
     assert build_parser().parse_args(["--attach", "tcp://h:5570"]).attach == "tcp://h:5570"
     args = build_parser().parse_args(["--metrics-port", "9100"])
     assert engine_args(args) == ["--metrics-port", "9100"]
+    args = build_parser().parse_args(["--scheduling-policy", "fcfs", "--priority-aging-s", "5",
+                                      "--max-prefill-tokens-while-decoding", "64"])
+    assert engine_args(args) == ["--scheduling-policy", "fcfs", "--priority-aging-s", "5.0",
+                                 "--max-prefill-tokens-while-decoding", "64"]
 
 
 def test_settings_persist_between_runs(qtbot, tmp_path):
