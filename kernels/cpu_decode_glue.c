@@ -84,21 +84,6 @@ static inline float silu1(float x) {
     return (x >= 0.0f ? x : x * e) / (1.0f + e);
 }
 
-/* out[r] = silu(gate) * up, gate_up[r] = [gate (inter) | up (inter)]. */
-void kvscope_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int io) {
-    float g[ROW_MAX], u[ROW_MAX];
-    const size_t size = io ? 2 : 4;
-    for (int64_t r = 0; r < rows; r++) {
-        const char *row = (const char *)gate_up + (size_t)(r * 2 * inter) * size;
-        io_read(g, row, inter, io);
-        io_read(u, row + (size_t)inter * size, inter, io);
-        int64_t i = 0;
-        for (; i + 16 <= inter; i += 16)
-            *(v16f_u *)(g + i) = silu16(*(const v16f_u *)(g + i)) * *(const v16f_u *)(u + i);
-        for (; i < inter; i++) g[i] = silu1(g[i]) * u[i];
-        io_write((char *)out + (size_t)(r * inter) * size, g, inter, io);
-    }
-}
 
 /* One head's per-head RMSNorm (qwen3, gemma3's q_norm/k_norm), in place: x = w * (x / rms(x)),
  * as kvscope_add_rms_norm computes it. */
@@ -139,9 +124,10 @@ static inline float gelu_tanh1(float x) {
     return x * sigmoid1(2.0f * GELU_K * (x + GELU_C * (x * x * x)));
 }
 
-/* out[r] = gelu_tanh(gate) * up, gate_up[r] = [gate (inter) | up (inter)]: gemma's GLU. */
-void kvscope_gelu_tanh_mul(const void *gate_up, void *out, int64_t rows, int64_t inter,
-                           int io) {
+/* out[r] = act(gate) * up, gate_up[r] = [gate (inter) | up (inter)]; act is SiLU or, for
+   gemma's GLU, gelu-tanh (a constant at each call site below, so the loop does not branch). */
+static inline void glu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int io,
+                           const int gelu) {
     float g[ROW_MAX], u[ROW_MAX];
     const size_t size = io ? 2 : 4;
     for (int64_t r = 0; r < rows; r++) {
@@ -149,12 +135,24 @@ void kvscope_gelu_tanh_mul(const void *gate_up, void *out, int64_t rows, int64_t
         io_read(g, row, inter, io);
         io_read(u, row + (size_t)inter * size, inter, io);
         int64_t i = 0;
-        for (; i + 16 <= inter; i += 16)
-            *(v16f_u *)(g + i) = gelu_tanh16(*(const v16f_u *)(g + i)) * *(const v16f_u *)(u + i);
-        for (; i < inter; i++) g[i] = gelu_tanh1(g[i]) * u[i];
+        for (; i + 16 <= inter; i += 16) {
+            const v16f x = *(const v16f_u *)(g + i);
+            *(v16f_u *)(g + i) = (gelu ? gelu_tanh16(x) : silu16(x)) * *(const v16f_u *)(u + i);
+        }
+        for (; i < inter; i++) g[i] = (gelu ? gelu_tanh1(g[i]) : silu1(g[i])) * u[i];
         io_write((char *)out + (size_t)(r * inter) * size, g, inter, io);
     }
 }
+
+void kvscope_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int io) {
+    glu_mul(gate_up, out, rows, inter, io, 0);
+}
+
+void kvscope_gelu_tanh_mul(const void *gate_up, void *out, int64_t rows, int64_t inter,
+                           int io) {
+    glu_mul(gate_up, out, rows, inter, io, 1);
+}
+
 
 /* Gemma's sandwich norm and the residual add in one pass: per row, h += y_w * (y / rms(y))
  * (y: a matmul output, io rows), then, when w is not NULL, out = w * (h / rms(h)), the next
