@@ -1,7 +1,8 @@
 """Engine vs Hugging Face `generate` on one seeded mixed workload, plus MFU and KV waste.
 
     python -m kvscope.benchmarks.bench [--quick] [--json] [--profile] [--concurrency N]
-        [engine options]
+        [--kernels [--remeasure-kernels]] [engine options]
+    kvscope bench --long-context [benchmarks/long_context.py options]
     kvscope bench ...   /   make bench
 
 One workload (random.Random(seed)) of N requests with prompt and output lengths drawn
@@ -114,6 +115,16 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     b.add_argument("--reserve-len", type=int, default=None,
                    help="per-request reservation for kv_waste_reserved "
                         "(default: the engine's max_model_len)")
+    b.add_argument("--kernels", action="store_true",
+                   help="print the kernel choices for this model's matmuls on this machine "
+                        "(measured on first use, cached per machine) and exit")
+    b.add_argument("--remeasure-kernels", action="store_true",
+                   help="with --kernels: measure the choices again instead of reading them "
+                        "from the cache")
+    b.add_argument("--long-context", nargs=argparse.REMAINDER, default=None, metavar="OPTION",
+                   help="decode and prefill tok/s against context per KV dtype beside "
+                        "llama.cpp (benchmarks/long_context.py); the options after it are "
+                        "its own")
     b.add_argument("--profile", action="store_true",
                    help="report where engine step time goes (model forward vs the rest) "
                         "and the host overhead per step")
@@ -198,7 +209,7 @@ def workload_flops(model, reqs: list[Request]) -> int:
 def measure_matmul_flops(device: str, dtype, shapes: list[tuple[int, int, int]],
                          reps: int = 5, min_seconds: float = 0.05) -> dict[str, float]:
     """Best FLOP/s per (m, k, n) shape of torch.mm and, on the CPU, of the engine's own matmul
-    kernel (kernels.cpu_linear, which beats torch's in bfloat16 here), each best of `reps`
+    kernel (kernels.cpu_linear, which beats torch's on some CPUs), each best of `reps`
     timed loops: the peak the MFU is taken against."""
     import torch
 
@@ -549,6 +560,12 @@ def format_table(r: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """`kvscope bench`: run the benchmark, print its report; 2 on a bad workload or model."""
+    if args.long_context is not None:
+        from kvscope.benchmarks import long_context
+        return long_context.main(args.long_context)
+    if args.kernels:
+        from kvscope.benchmarks import kernel_table
+        return kernel_table.run(args)
     try:
         report = run_bench(args)
     except (ValueError, FileNotFoundError) as exc:

@@ -50,9 +50,9 @@ class RunnerCounter:
         original = engine.runner.run
         count = self.timer.wrap(self.count, "cpu")
 
-        def run(batch):
+        def run(batch, *rest, **kw):  # rest: whatever else the engine passes (drafts)
             count(batch)
-            return original(batch)
+            return original(batch, *rest, **kw)
 
         engine.runner.run = run
 

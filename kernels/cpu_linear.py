@@ -1,22 +1,26 @@
-"""Dense y = x W^T (+ b) on the CPU: the native kernel (kernels/cpu_small_gemm.c) where it
-measured faster than torch, torch's matmul elsewhere.
+"""Dense y = x W^T (+ b) on the CPU: the native kernel (kernels/cpu_small_gemm.c, on torch's
+threads or on the calling one) or torch's matmul (oneDNN), whichever measured faster on this
+machine for this weight, dtype, row bucket and thread count (kernels.kernel_choice).
 
-Measured here, the whole SmolLM2 matmul set per step (2 threads, same process, torch vs
-native): float32 at 16 rows 98.7 vs 29.1 ms, at 32 rows 110.6 vs 49.1 ms, at 64 rows 84.2 vs
-98.5 ms (torch's blocked GEMM wins once there are enough rows to reuse each weight); bfloat16
-at 16 rows 88.3 vs 37.9 ms and at 256 rows 1146 vs 551 ms (torch converts bfloat16 on every
-call on a CPU without bf16 instructions). So float32 takes the kernel up to 32 rows, bfloat16
-always.
+Why measured rather than fixed: the winner moves with the CPU. On a Xeon without bf16
+instructions the kernel won bfloat16 at every row count (torch converted bfloat16 on every
+call) and float32 up to 32 rows; on a CPU with AVX-512 BF16 torch's bfloat16 matmul uses
+bf16 dot products and wins from a few rows up. Rows are bucketed by powers of two up to
+TOP_BUCKET; above it both run at their compute peak and their times grow in step with the
+rows, so that bucket is measured on its first TOP_BUCKET rows.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from kvscope.kernels import native
+from kvscope.kernels import kernel_choice, native
 
 KINDS = {torch.float32: 0, torch.bfloat16: 1}
-MAX_ROWS = {torch.float32: 32, torch.bfloat16: None}
+NATIVE, SERIAL, TORCH = "native", "native-serial", "torch"
+TOP_BUCKET = 256
 
 
 def supports(weight: torch.Tensor) -> bool:
@@ -25,32 +29,68 @@ def supports(weight: torch.Tensor) -> bool:
             and weight.is_contiguous() and weight.shape[1] % 16 == 0 and native.available())
 
 
-def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether this call goes through the kernel (`supports(weight)` assumed)."""
-    limit = MAX_ROWS[weight.dtype]
-    return x.dtype == weight.dtype and (limit is None or x.numel() <= limit * weight.shape[1])
+def bucket(rows: int) -> int:
+    """The row bucket a call of `rows` rows is decided in: the next power of two, at most
+    TOP_BUCKET (which stands for every larger count too)."""
+    return min(1 << max(rows - 1, 0).bit_length(), TOP_BUCKET)
+
+
+def implementation(x: torch.Tensor, weight: torch.Tensor) -> str:
+    """Which implementation runs x W^T (`supports(weight)` assumed): NATIVE, SERIAL or TORCH,
+    measured on first use of this (dtype, weight shape, row bucket, threads)."""
+    if x.dtype != weight.dtype:
+        return TORCH
+    n, k = weight.shape
+    rows = x.numel() // k
+    threads = torch.get_num_threads()
+    fast_key = ("linear", weight.dtype, n, k, bucket(rows), threads)
+    chooser = kernel_choice.default()
+    got = chooser.fast(fast_key)
+    if got is not None:
+        return got
+    dtype = str(weight.dtype).removeprefix("torch.")
+    top = bucket(rows)
+    info = {"op": "linear", "dtype": dtype, "shape": f"{n}x{k}",
+            "rows": f"{top}+" if top == TOP_BUCKET else f"<={top}", "threads": threads}
+    name = f"linear {dtype} {n}x{k} rows{info['rows']} threads={threads}"
+    return chooser.choose(name, candidates(x, weight), info, fast_key)
+
+
+def candidates(x: torch.Tensor, weight: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """The implementations compared, each on x's first TOP_BUCKET rows (the serial kernel
+    only where there is more than one thread to compare with)."""
+    rows = x.reshape(-1, weight.shape[1])[:TOP_BUCKET].contiguous()
+    got: dict[str, Callable[[], object]] = {
+        NATIVE: lambda: native_linear(rows, weight),
+        TORCH: lambda: F.linear(rows, weight),
+    }
+    if torch.get_num_threads() > 1:
+        got[SERIAL] = lambda: native_linear(rows, weight, parallel=False)
+    return got
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            bias_f32: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), through the kernel when `takes(x, weight)`. `bias_f32` is
-    the bias as contiguous float32 (what the kernel reads), kept by the caller."""
-    if not takes(x, weight):
+    """F.linear(x, weight, bias) through the implementation chosen for this call's shape.
+    `bias_f32` is the bias as contiguous float32 (what the kernel reads), kept by the
+    caller."""
+    impl = implementation(x, weight)
+    if impl == TORCH:
         return F.linear(x, weight, bias)
-    return native_linear(x, weight, bias_f32)
+    return native_linear(x, weight, bias_f32, parallel=impl == NATIVE)
 
 
 def native_linear(x: torch.Tensor, weight: torch.Tensor,
-                  bias_f32: torch.Tensor | None = None) -> torch.Tensor:
+                  bias_f32: torch.Tensor | None = None, parallel: bool = True) -> torch.Tensor:
     """x W^T (+ b) through the kernel whatever the row count (`supports(weight)` assumed, x in
-    the weight's dtype)."""
+    the weight's dtype); parallel: on torch's threads, else on the calling one."""
     n, k = weight.shape
     rows = x.reshape(-1, k).contiguous()
     y = torch.empty((rows.shape[0], n), dtype=x.dtype)
     kind = KINDS[x.dtype]
     status = native.require_library().kvscope_gemm(
         y.data_ptr(), kind, rows.data_ptr(), kind, weight.data_ptr(), kind,
-        native.address(bias_f32), rows.shape[0], n, k)
+        native.address(bias_f32), rows.shape[0], n, k, int(parallel))
     if status:
         raise MemoryError("the CPU matmul kernel could not allocate its scratch")
     return y.view(*x.shape[:-1], n)

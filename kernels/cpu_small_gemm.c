@@ -71,9 +71,12 @@ static const tile_fn tiles1[] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile
 #define MT_MAX 6
 
 /* y [M, N] (y_kind) = x [M, K] (x_kind) W^T, W [N, K] (w_kind), plus bias [N] (float32)
- * when not NULL. All contiguous; K a multiple of 16. Returns 1 if scratch could not be had. */
+ * when not NULL. All contiguous; K a multiple of 16. parallel: share the weight groups out
+ * over torch's threads, else run on the calling thread (which of the two is faster for a
+ * weight is measured per machine: kernels/kernel_choice.py). Returns 1 if scratch could not
+ * be had. */
 int kvscope_gemm(void *y, int y_kind, const void *x, int x_kind, const void *w, int w_kind,
-                 const float *bias, int64_t M, int64_t N, int64_t K) {
+                 const float *bias, int64_t M, int64_t N, int64_t K, int parallel) {
     float *xf = (float *)x, *own = NULL;
     if (x_kind != G_F32) {
         own = malloc(sizeof(float) * (size_t)(M * K));
@@ -87,7 +90,7 @@ int kvscope_gemm(void *y, int y_kind, const void *x, int x_kind, const void *w, 
      * into float32 scratch rather than once per tile. */
     const int widen = w_kind != G_F32 && M > MT_MAX;
     int failed = 0;
-#pragma omp parallel if (N * K >= 65536) reduction(| : failed)
+#pragma omp parallel if (parallel) reduction(| : failed)
     {
         float *wide = widen ? malloc(sizeof(float) * (size_t)(4 * K)) : NULL;
         if (widen && !wide) failed = 1;

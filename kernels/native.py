@@ -28,6 +28,9 @@ SOURCES = (HERE / "cpu_decode_attention.c", HERE / "cpu_decode_glue.c",
            HERE / "cpu_small_gemm.c", HERE / "cpu_kv_write.c")
 HEADERS = (HERE / "cpu_vec.h",)  # not compiled on their own, but part of the cache key
 ENV = "KVSCOPE_CPU_KERNELS"
+# A hung compiler must not hang the engine, but a loaded machine compiles slowly: 120 s
+# timed out on a 2-core machine running several test processes at once.
+BUILD_TIMEOUT_S = 600
 FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native", "-fopenmp-simd"],
              ["-O3", "-fopenmp-simd"], ["-O2"])
 
@@ -44,8 +47,12 @@ SIGNATURES = {
                                 INT],
     "kvscope_gelu_tanh_mul": [P, P, I64, I64, INT],
     "kvscope_add_normed_rms_norm": [P, P, P, P, F32, P, I64, I64, INT],
-    "kvscope_gemm": [P, INT, P, INT, P, INT, P, I64, I64, I64],
-    "kvscope_int8_write": [P, I64, I64, I64, P, P, P, P, P, P],
+    "kvscope_gemm": [P, INT, P, INT, P, INT, P, I64, I64, I64, INT],
+    "kvscope_kv_write": [P, I64, I64, I64, P, P, P, P, P, P, INT],
+    # ..., kind, io, R, shift, gain, q_gain (the KV pool's kind and transforms)
+    "kvscope_rope_write_kv": [P, I64, P, P, P, I64, P, P, F32, P, P, P, P, P, P, I64, I64, I64,
+                              INT, INT, P, P, P, P],
+    "kvscope_rotate_rows": [P, I64, I64, P, P, INT],
 }
 
 
@@ -105,12 +112,30 @@ def address(t: torch.Tensor | None) -> int | None:
 def _load(compiler: str, flags: list[str], name: str) -> ctypes.CDLL | None:
     for folder in cache_dirs():
         target = folder / name
-        if target.exists() or _build(compiler, flags, target):
+        if target.exists() or _build_once(compiler, flags, target):
             try:
                 return ctypes.CDLL(str(target))
             except OSError:
                 continue
     return None
+
+
+def _build_once(compiler: str, flags: list[str], target: Path) -> bool:
+    """Build under a lock file beside the target: processes starting together (a test run,
+    a server and a benchmark) wait for one compile instead of each running its own, which
+    on a busy 2-core machine made every one of them slow enough to hit the timeout."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(target.with_suffix(".lock"), "w")  # noqa: SIM115 - held across the build
+    except OSError:
+        return _build(compiler, flags, target)
+    with lock:
+        try:
+            import fcntl
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except (ImportError, OSError):  # no flock here: build without it, as before
+            pass
+        return target.exists() or _build(compiler, flags, target)
 
 
 def _build(compiler: str, flags: list[str], target: Path) -> bool:
@@ -122,7 +147,8 @@ def _build(compiler: str, flags: list[str], target: Path) -> bool:
     os.close(fd)
     cmd = [compiler, *flags, "-shared", "-fPIC", *map(str, SOURCES), "-o", tmp, "-lm"]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
+                              check=False)
     except (OSError, subprocess.TimeoutExpired) as e:
         print(f"kvscope: building the CPU kernels failed ({e})", file=sys.stderr)
         os.unlink(tmp)

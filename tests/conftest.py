@@ -9,3 +9,6 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 # The Triton kernels run under the interpreter in every test, whichever imports triton first
 # (benchmarks/device/gpu_check.py is the check on a real GPU).
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Kernel choices measured by tests go to the checkout's build folder, not the user's cache.
+os.environ.setdefault("KVSCOPE_CACHE_DIR", os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), "build", "test-cache"))

@@ -20,10 +20,11 @@ def case(rows, n, k, dtype, bias, seed=0):
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 31])
 @pytest.mark.parametrize("n", [4, 37, 96])
 @pytest.mark.parametrize("bias", [False, True])
-def test_float32_matches_float64(rows, n, bias):
+@pytest.mark.parametrize("parallel", [True, False])
+def test_float32_matches_float64(rows, n, bias, parallel):
     x, w, b = case(rows, n, 64, torch.float32, bias)
-    assert cpu_linear.supports(w) and cpu_linear.takes(x, w)
-    got = cpu_linear.linear(x, w, b, None if b is None else b.float())
+    assert cpu_linear.supports(w)
+    got = cpu_linear.native_linear(x, w, None if b is None else b.float(), parallel=parallel)
     want = x.double() @ w.double().t() + (0 if b is None else b.double())
     assert got.dtype == torch.float32 and got.shape == (rows, n)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
@@ -31,11 +32,12 @@ def test_float32_matches_float64(rows, n, bias):
 
 @pytest.mark.parametrize("rows", [1, 7, 16, 40])
 @pytest.mark.parametrize("bias", [False, True])
-def test_bfloat16_rounds_as_torch_does(rows, bias):
+@pytest.mark.parametrize("parallel", [True, False])
+def test_bfloat16_rounds_as_torch_does(rows, bias, parallel):
     """Both accumulate in float32 and round once to bfloat16; only the order of the float32
     sums differs, so results agree to one bfloat16 step (2^-8 relative)."""
     x, w, b = case(rows, 52, 576, torch.bfloat16, bias, seed=1)
-    got = cpu_linear.linear(x, w, b, None if b is None else b.float())
+    got = cpu_linear.native_linear(x, w, None if b is None else b.float(), parallel=parallel)
     want = F.linear(x, w, b)
     assert got.dtype == torch.bfloat16
     exact = x.double() @ w.double().t() + (0 if b is None else b.double())
@@ -43,14 +45,17 @@ def test_bfloat16_rounds_as_torch_does(rows, bias):
     assert (got.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
 
 
-def test_leading_dims_and_the_row_limit():
-    x, w, _ = case(2 * 3, 20, 32, torch.float32, False)
-    got = cpu_linear.linear(x.view(2, 3, 32), w)
+@pytest.mark.parametrize("impl", ["native", "native-serial", "torch"])
+def test_leading_dims_whichever_implementation_runs(impl, monkeypatch):
+    monkeypatch.setattr(cpu_linear, "implementation", lambda x, w: impl)
+    x, w, b = case(2 * 3, 20, 32, torch.float32, True)
+    got = cpu_linear.linear(x.view(2, 3, 32), w, b, b)
     assert got.shape == (2, 3, 20)
-    torch.testing.assert_close(got.view(6, 20), F.linear(x, w), rtol=1e-5, atol=1e-6)
-    many = torch.randn(cpu_linear.MAX_ROWS[torch.float32] + 1, 32)
-    assert not cpu_linear.takes(many, w)  # torch's blocked GEMM is faster there
-    assert cpu_linear.takes(many.bfloat16(), w.bfloat16())
+    torch.testing.assert_close(got.view(6, 20), F.linear(x, w, b), rtol=1e-5, atol=1e-6)
+
+
+def test_rows_in_another_dtype_than_the_weight_stay_with_torch():
+    assert cpu_linear.implementation(torch.randn(2, 32).bfloat16(), torch.randn(8, 32)) == "torch"
 
 
 def test_weights_the_kernel_cannot_take_stay_with_torch():

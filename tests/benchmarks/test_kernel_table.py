@@ -1,0 +1,79 @@
+"""`kvscope bench --kernels` on a tiny model, with fake timings (speed itself is measured by
+running it, not here): every decision the model's matmuls need is asked for, measured once,
+then read from the cache; --remeasure-kernels measures again."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvscope.benchmarks import bench
+from kvscope.kernels import kernel_cache, kernel_choice, native
+from kvscope.testing.tiny_models import save_tiny_model
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler here")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("kernels") / "m")
+
+
+@pytest.fixture
+def fake_chooser(tmp_path, monkeypatch):
+    """A fresh process's chooser (cache in tmp_path) whose measurements take no real time:
+    torch 1 ms, the kernel 2 ms on threads and 3 ms serial."""
+    monkeypatch.setenv(kernel_cache.ENV, str(tmp_path))
+    made = []
+    real_measure = kernel_choice.Chooser.measure
+
+    def measure(self, candidates):
+        made.append(sorted(candidates))
+        fake = {"torch": 1e-3, "native": 2e-3, "native-serial": 3e-3}
+        assert real_measure  # the real one times with perf_counter: not in a test
+        return {n: fake[n] for n in candidates}
+
+    monkeypatch.setattr(kernel_choice.Chooser, "measure", measure)
+    kernel_choice.reset()
+    yield made
+    kernel_choice.reset()
+
+
+def kernels(tiny, capsys, *extra) -> dict:
+    kernel_choice.reset()  # as a new process would start
+    argv = ["--kernels", "--model", str(tiny), "--device", "cpu", "--dtype", "float32",
+            "--concurrency", "4", "--json", "--max-model-len", "64", *extra]
+    assert bench.main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_measured_once_then_cached_then_measured_again(tiny, capsys, fake_chooser):
+    first = kernels(tiny, capsys)
+    assert first["cache_ignored_reason"] == "missing"
+    assert first["machine"]["cpu_model"]
+    rows = {(d["shape"], d["rows"]) for d in first["decisions"]}
+    # llama tiny: qkv 128x64 (4 + 2 + 2 heads of 16), o 64x64, gate_up 256x64, down 64x128,
+    # head 256x64 (tied: the same shape as gate_up, asked for once)
+    for shape in ("128x64", "64x64", "256x64", "64x128"):
+        assert {(shape, r) for r in ("<=1", "<=2", "<=4", "256+")} <= rows
+    assert all(d["choice"] == "torch" and d["source"] == "measured" for d in first["decisions"])
+    measured = len(fake_chooser)
+    assert measured == len(first["decisions"])
+
+    second = kernels(tiny, capsys)
+    assert second["cache_ignored_reason"] is None and len(fake_chooser) == measured
+    assert {d["source"] for d in second["decisions"]} == {"cached"}
+    assert [d["name"] for d in second["decisions"]] == [d["name"] for d in first["decisions"]]
+
+    third = kernels(tiny, capsys, "--remeasure-kernels")
+    assert {d["source"] for d in third["decisions"]} == {"measured"}
+    assert len(fake_chooser) == 2 * measured
+
+
+def test_the_table_names_the_cpu_and_each_decision(tiny, capsys, fake_chooser):
+    kernel_choice.reset()
+    assert bench.main(["--kernels", "--model", str(tiny), "--device", "cpu", "--concurrency",
+                       "2", "--max-model-len", "64"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("CPU ") and "torch ms" in out and "native ms" in out
+    assert "64x64" in out and "measured" in out and "choice" in out
