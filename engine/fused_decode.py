@@ -17,11 +17,15 @@ that is not here; such a model takes its ordinary forward.
 Two kinds of model qualify: a float32 model whose every matmul is int4 without bias (the
 matmul rows in and out are bfloat16, as torch's int4 kernel takes and gives them), or a
 float32 or bfloat16 model whose every matmul is dense without bias (rows in the model's
-dtype). It runs when every row of the step decodes and the pool holds float32 or bfloat16 K/V
-unrotated; anything else (prefill chunks, 1-byte or rotated KV, a bias on a projection) takes
-the model's ordinary forward. The residual stream is float32 here: for a float32 model that is
-the ordinary forward's too, and the results differ from it only in float32 rounding order
-(tests/engine/test_fused_decode.py, tests/engine/test_fused_families.py; the greedy tokens
+dtype). It runs when every row of the step decodes and the pool holds float32, bfloat16, int8
+or fp8 K/V (rotated, K-balanced and anchored as the pool is: the RoPE call stores K/V through
+the pool's transforms and quantizer, kernels/cpu_kv_write.c, and hands the attention the query
+as the ordinary forward turns it, (q / g) @ R; the output is turned back by R^T on its way to
+o_proj; anchors are read by the attention kernel); anything else (prefill chunks, a step that
+fills anchor rows, a float16 pool, a bias on a projection) takes the model's ordinary forward.
+The residual stream is float32 here: for a float32 model that is the ordinary forward's too,
+and the results differ from it only in float32 rounding order (tests/engine/test_fused_decode.py,
+tests/engine/test_fused_families.py, tests/engine/test_fused_quantized.py; the greedy tokens
 still equal Hugging Face's, tests/engine/test_embedded_model.py); a bfloat16 model's ordinary
 forward rounds the residual stream to bfloat16 after every add, which this step does not.
 """
@@ -39,6 +43,7 @@ import torch.nn.functional as F
 
 from kvscope.engine.weight_formats import INT4_GROUP, DenseLinear, Int4Linear, Linear
 from kvscope.kernels import cpu_attention, cpu_linear, native, ops
+from kvscope.kernels.anchors import Anchors
 from kvscope.kernels.attention_ref import AttentionMetadata
 from kvscope.kernels.k_balance import KBalanceLayer
 
@@ -97,6 +102,12 @@ class FusedPool(Protocol):
     dtype: torch.dtype
     rotation: torch.Tensor | None
     k_balance: list[KBalanceLayer] | None
+    anchors: list[tuple[torch.Tensor, torch.Tensor]] | None
+
+
+# The pool dtypes the RoPE call stores (kernels/cpu_decode_glue.c kvscope_rope_write_kv's
+# kinds, the attention kernel's numbering).
+POOL_KINDS = {torch.float32: 0, BF16: 1, torch.int8: 3, torch.float8_e4m3fn: 4}
 
 
 def unsupported_reason(model: object) -> str | None:
@@ -231,9 +242,29 @@ def _float32(t: torch.Tensor) -> torch.Tensor:
 
 
 def supports_step(meta: AttentionMetadata, pool: FusedPool) -> bool:
-    return (not meta.prefill_seqs and pool.rotation is None and pool.k_balance is None
-            and pool.scales is None
-            and pool.dtype in (torch.float32, BF16) and native.available())
+    """Whether this step fuses: every row decodes, the pool is one the fused step stores
+    (pool_reason), and no row fills anchor rows (a sequence's first positions: the ordinary
+    forward writes those exact rows)."""
+    if meta.prefill_seqs or not native.available():
+        return False
+    fill = meta.anchor_fill
+    if fill is not None and len(fill[0]):
+        return False
+    if pool.dtype not in POOL_KINDS:
+        reason = pool_reason(pool)
+        if reason is not None:
+            _tell(reason)
+        return False
+    return meta.rotation is pool.rotation
+
+
+def pool_reason(pool: FusedPool) -> str | None:
+    """Why the fused decode does not take this KV pool (None: it does)."""
+    if pool.dtype in POOL_KINDS:
+        return None
+    name = str(pool.dtype).removeprefix("torch.")
+    return f"the fused CPU decode does not store a {name} KV pool (its decode takes the " \
+        "ordinary, slower forward)"
 
 
 def int4(x: torch.Tensor, linear: Linear) -> torch.Tensor:
@@ -251,13 +282,49 @@ def dense(x: torch.Tensor, linear: Linear) -> torch.Tensor:
     return cpu_linear.linear(x, linear.weight)
 
 
+# A layer's (k_scale, v_scale, anchors) as the attention kernel takes them.
+PoolLayer = tuple[torch.Tensor | None, torch.Tensor | None, Anchors | None]
+
+
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0
-              ) -> torch.Tensor:
+              meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
+              kv: PoolLayer | None = None) -> torch.Tensor:
+    """kv: a 1-byte or anchored pool layer's scales and anchors (None: a float pool)."""
+    if kv is not None:
+        return cpu_attention.paged_attention_cpu(q, k_cache, v_cache, meta, scale, *kv,
+                                                 window=window, softcap=softcap)
     if not (window or softcap):  # the call as before the families came
         return cpu_attention.paged_attention_cpu(q, k_cache, v_cache, meta, scale)
     return cpu_attention.paged_attention_cpu(q, k_cache, v_cache, meta, scale, window=window,
                                              softcap=softcap)
+
+
+@dataclass
+class PoolPlan:
+    """What a step needs of the KV pool beyond its caches: the RoPE call's kind, the rotation
+    R and its transpose (float32, contiguous; None: unrotated), and per layer the scales,
+    anchors and K balance (plain: a float pool without transforms, stored as before)."""
+    pool: FusedPool
+    kind: int
+    r: torch.Tensor | None
+    r_t: torch.Tensor | None
+
+    @property
+    def plain(self) -> bool:
+        p = self.pool
+        return self.r is None and p.k_balance is None and p.scales is None and p.anchors is None
+
+    def layer(self, i: int) -> PoolLayer | None:
+        p = self.pool
+        if p.scales is None and p.anchors is None:
+            return None
+        ks, vs = p.scales[i] if p.scales is not None else (None, None)
+        return ks, vs, p.anchors[i] if p.anchors is not None else None
+
+
+def pool_plan(pool: FusedPool) -> PoolPlan:
+    r = None if pool.rotation is None else pool.rotation.float().contiguous()
+    return PoolPlan(pool, POOL_KINDS[pool.dtype], r, None if r is None else r.T.contiguous())
 
 
 @dataclass
@@ -275,6 +342,7 @@ class Step:
     positions: torch.Tensor
     slots: torch.Tensor
     cache_bf16: int
+    kv: PoolPlan | None = None  # None: a float pool without transforms
 
     @property
     def io(self) -> int:
@@ -307,6 +375,8 @@ def run_layers(model: FusedModel, input_ids: torch.Tensor, positions: torch.Tens
                 embed(model, input_ids), torch.empty(rows, s.hidden_size, dtype=io_dtype),
                 torch.empty(rows, s.num_heads, s.head_dim), positions.contiguous(),
                 meta.slot_mapping.contiguous(), int(pool.dtype == BF16))
+    plan = pool_plan(pool)
+    step.kv = None if plan.plain else plan
     step.lib.kvscope_add_rms_norm(step.h.data_ptr(), None, tables.input_norms[0].data_ptr(),
                                   s.rms_norm_eps, step.x.data_ptr(), rows, s.hidden_size,
                                   step.io)
@@ -319,8 +389,9 @@ def run_layers(model: FusedModel, input_ids: torch.Tensor, positions: torch.Tens
         k_cache, v_cache = pool.caches[i]
         rope_write(step, i, layer, qkv, k_cache, v_cache)
         o = attention(step.q, k_cache, v_cache, meta, model.scale,
-                      getattr(layer, "window", 0), softcap)
-        y = step.mm(o.view(rows, -1).to(io_dtype), layer.o_proj)
+                      getattr(layer, "window", 0), softcap,
+                      step.kv.layer(i) if step.kv is not None else None)
+        y = step.mm(attention_rows(step, o), layer.o_proj)
         residual_add(step, y, tables.attn_out_norms[i], tables.post_norms[i])
         gate_up = step.mm(step.x, layer.gate_up)
         act = torch.empty(rows, gate_up.shape[1] // 2, dtype=io_dtype)
@@ -332,13 +403,30 @@ def run_layers(model: FusedModel, input_ids: torch.Tensor, positions: torch.Tens
     return step.h
 
 
+def attention_rows(step: Step, o: torch.Tensor) -> torch.Tensor:
+    """The attention output [rows, heads, d] float32 as o_proj's input rows: turned back by
+    R^T when the pool is rotated (one native call that also narrows to the row dtype)."""
+    kv = step.kv
+    if kv is None or kv.r_t is None:
+        return o.view(step.rows, -1).to(step.io_dtype)
+    out = torch.empty(step.rows, o.shape[1] * o.shape[2], dtype=step.io_dtype)
+    step.lib.kvscope_rotate_rows(o.data_ptr(), step.rows * o.shape[1], o.shape[2],
+                                 kv.r_t.data_ptr(), out.data_ptr(), step.io)
+    return out
+
+
 def rope_write(step: Step, i: int, layer: FusedLayer, qkv: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """q (and k, v into the cache) of layer i: turned by the layer's RoPE tables, after the
-    family's per-head q/k norm, over the first rotary width of a head (the tables' width)."""
+    family's per-head q/k norm, over the first rotary width of a head (the tables' width).
+    A 1-byte or transformed pool: stored through its transforms and quantizer, and q turned
+    as its keys are (kvscope_rope_write_kv)."""
     s, t = step.model.shape, step.tables
     cos, sin = t.rope(layer)
     q_norm, k_norm, rot = t.q_norms[i], t.k_norms[i], cos.shape[1]
+    if step.kv is not None:
+        rope_write_kv(step, i, qkv, (cos, sin), (q_norm, k_norm), k_cache, v_cache)
+        return
     tail = (step.q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), step.slots.data_ptr(),
             s.num_heads, s.num_kv_heads, s.head_dim, step.cache_bf16, step.io)
     if q_norm is None and k_norm is None and rot == s.head_dim:
@@ -349,6 +437,25 @@ def rope_write(step: Step, i: int, layer: FusedLayer, qkv: torch.Tensor,
                                      cos.data_ptr(), sin.data_ptr(), rot,
                                      native.address(q_norm), native.address(k_norm),
                                      s.rms_norm_eps, *tail)
+
+
+def rope_write_kv(step: Step, i: int, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                  norms: tuple[torch.Tensor | None, torch.Tensor | None], k_cache: torch.Tensor,
+                  v_cache: torch.Tensor) -> None:
+    kv, s, ptr = step.kv, step.model.shape, native.address
+    if kv is None:
+        raise ValueError("rope_write_kv needs the step's pool plan")
+    cos, sin = rope
+    layer_kv = kv.layer(i)
+    ks, vs = (layer_kv[0], layer_kv[1]) if layer_kv is not None else (None, None)
+    kb = kv.pool.k_balance[i] if kv.pool.k_balance is not None else None
+    step.lib.kvscope_rope_write_kv(
+        qkv.data_ptr(), step.rows, step.positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        cos.shape[1], ptr(norms[0]), ptr(norms[1]), s.rms_norm_eps, step.q.data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), ptr(ks), ptr(vs), step.slots.data_ptr(),
+        s.num_heads, s.num_kv_heads, s.head_dim, kv.kind, step.io, ptr(kv.r),
+        ptr(kb.shift if kb else None), ptr(kb.gain if kb else None),
+        ptr(kb.q_gain if kb else None))
 
 
 def residual_add(step: Step, y: torch.Tensor, out_norm: torch.Tensor | None,

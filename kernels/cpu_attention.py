@@ -4,9 +4,9 @@ called once per layer for every decode row of the step.
 Why native code: the torch path gathers each sequence's blocks into a padded copy, converts
 it to float32 and runs SDPA over it, three passes and a dozen ops per layer; the kernel reads
 every cached K and V row once, through the block table, with no copies and no padding.
-Prefill chunks take the torch reference. With a sliding window each row's loop starts at
-its window (the blocks before it are never read); soft-capping bends the scores before the
-softmax.
+Prefill chunks take kernels.cpu_prefill_attention. With a sliding window each row's loop
+starts at its window (the blocks before it are never read); soft-capping bends the scores
+before the softmax.
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from kvscope.kernels.attention_ref import (
     AttentionMetadata,
     LayerPool,
     check_window_softcap,
-    paged_attention_ref,
 )
+from kvscope.kernels.cpu_prefill_attention import prefill_attention_cpu
 
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3,
          torch.float8_e4m3fn: 4}
@@ -50,12 +50,12 @@ def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                         anchors: Anchors | None = None, *, window: int = 0,
                         softcap: float = 0.0) -> torch.Tensor:
     """As kernels.attention_ref.paged_attention_ref (window and softcap included): decode
-    rows through the kernel, prefill chunks through the reference."""
+    rows through the kernel, prefill chunks through kernels.cpu_prefill_attention."""
     check_window_softcap(window, softcap)
     rows, tables, lens, anchor_idx = decode_rows(meta)
     if not len(rows):
-        return paged_attention_ref(query, k_cache, v_cache, meta, scale, k_scale, v_scale,
-                                   anchors, window=window, softcap=softcap)
+        return prefill_attention_cpu(query, k_cache, v_cache, meta, scale, k_scale, v_scale,
+                                     anchors, window=window, softcap=softcap)
     attn = Attention(scale, window, softcap)
     pool: LayerPool = (k_cache, v_cache, k_scale, v_scale,
                        anchors if anchor_idx is not None else None)
@@ -65,10 +65,10 @@ def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         _run(out, q, rows, tables, lens, anchor_idx, pool, attn)
         return out
     q = query.float().contiguous()
-    if meta.prefill_seqs:  # the reference fills the prefill rows; the kernel the rest
-        out = paged_attention_ref(query, k_cache, v_cache, _prefill_only(meta), scale,
-                                  k_scale, v_scale, anchors, window=window,
-                                  softcap=softcap).float().contiguous()
+    if meta.prefill_seqs:  # the prefill path fills the prefill rows; the kernel the rest
+        out = prefill_attention_cpu(query, k_cache, v_cache, _prefill_only(meta), scale,
+                                    k_scale, v_scale, anchors, window=window,
+                                    softcap=softcap).float().contiguous()
     else:
         out = torch.empty_like(q)
     _run(out, q, rows, tables, lens, anchor_idx, pool, attn)

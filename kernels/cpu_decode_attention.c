@@ -119,58 +119,6 @@ static void softcap_scores(float *s, int64_t n, float cap) {
     for (int64_t t = 0; t < n; t++) s[t] = cap * tanh_fast(s[t] * inv);
 }
 
-/* One sequence and one KV head: the `group` query heads q [group, d] that share KV head h
- * attend to its cached tokens lo..len-1 (lo > 0: a sliding window; the table entries of
- * blocks before lo's are never read); out [group, d]. Walks the block table block by block
- * (no division per token), reading head h's row of each slot (a block is [block_size,
- * kv_heads, d]): once through K for the scores, an exact softmax, once through V for the
- * weighted sum. scores: [group * (len - lo)] scratch, row [d], acc [group * d]. */
-static inline __attribute__((always_inline)) void attend_head(
-        float *out, const float *q, const int64_t *table, int64_t len, const void *k_cache,
-        const void *v_cache, const float *k_scale, const float *v_scale, int64_t h,
-        int64_t group, int64_t num_kv_heads, int64_t d, int64_t block_size, int kind,
-        float sm_scale, float *scores, float *row, float *acc, const float *ak,
-        const float *av, int64_t na, int64_t lo, float softcap) {
-    const int64_t cnt = len - lo; /* scores[g * cnt + t]: position lo + t */
-    for (int64_t b = lo / block_size, start = b * block_size; start < len;
-         start += block_size, b++) {
-        int64_t j0 = start < lo ? lo - start : 0;
-        int64_t n = len - start < block_size ? len - start : block_size;
-        int64_t at = table[b] * block_size * num_kv_heads + h + j0 * num_kv_heads;
-        for (int64_t j = j0; j < n; j++, at += num_kv_heads) {
-            load_token(row, k_cache, k_scale, ak, start + j, at, na, num_kv_heads, d, kind);
-            for (int64_t g = 0; g < group; g++)
-                scores[g * cnt + start + j - lo] = dot(q + g * d, row, d) * sm_scale;
-        }
-    }
-    for (int64_t g = 0; g < group; g++) {
-        float *s = scores + g * cnt, m = -INFINITY, sum = 0.0f;
-        if (softcap > 0.0f) softcap_scores(s, cnt, softcap);
-        for (int64_t t = 0; t < cnt; t++) m = s[t] > m ? s[t] : m;
-#pragma omp simd
-        for (int64_t t = 0; t < cnt; t++) s[t] = exp_nonpositive(s[t] - m);
-        for (int64_t t = 0; t < cnt; t++) sum += s[t];
-        float inv = 1.0f / sum;
-        for (int64_t t = 0; t < cnt; t++) s[t] *= inv;
-    }
-    memset(acc, 0, sizeof(float) * (size_t)(group * d));
-    for (int64_t b = lo / block_size, start = b * block_size; start < len;
-         start += block_size, b++) {
-        int64_t j0 = start < lo ? lo - start : 0;
-        int64_t n = len - start < block_size ? len - start : block_size;
-        int64_t at = table[b] * block_size * num_kv_heads + h + j0 * num_kv_heads;
-        for (int64_t j = j0; j < n; j++, at += num_kv_heads) {
-            load_token(row, v_cache, v_scale, av, start + j, at, na, num_kv_heads, d, kind);
-            for (int64_t g = 0; g < group; g++) {
-                float p = scores[g * cnt + start + j - lo], *a = acc + g * d;
-#pragma omp simd
-                for (int64_t k = 0; k < d; k++) a[k] += p * row[k];
-            }
-        }
-    }
-    memcpy(out, acc, sizeof(float) * (size_t)(group * d));
-}
-
 /* head_dim 64 (SmolLM2, Llama-style small models) in explicit 16-float vectors (GCC/Clang
  * vector extensions: one AVX-512 register with -march=native, split by the compiler
  * elsewhere). The generic loops above left GCC one dependent chain of 8 FMAs per dot product
@@ -207,13 +155,6 @@ static inline __attribute__((always_inline)) void load_row64(v16f r[4], const vo
     }
 }
 
-/* load_token for head_dim 64, into four vectors. */
-static inline __attribute__((always_inline)) void load_token64(
-        v16f r[4], const void *cache, const float *scales, const float *anchor, int64_t pos,
-        int64_t at, int64_t na, int64_t num_kv_heads, int kind) {
-    if (pos < na) load_row64(r, anchor, pos * num_kv_heads * 64, KV_F32, 1.0f);
-    else load_row64(r, cache, at * 64, kind, scales ? scales[at] : 1.0f);
-}
 
 /* The 16 sums of 16 vectors, as one vector (lane i: the sum of v[i]): a transpose folded into
  * the additions, 30 shuffles and 15 adds for 16 dot products where a horizontal sum each
@@ -241,133 +182,205 @@ static inline __attribute__((always_inline)) v16f sum16x16(const v16f v[16]) {
                                    27, 29, 31);
 }
 
-static inline __attribute__((always_inline)) void softmax_row(float *s, int64_t len) {
+/* fp8 rows load as their values / 256 where F16C converts them (fp8x16_to_f32_div256): what
+ * load_raw64 asks load_row64 to scale an fp8 row by, and what it gives back in the scale. */
+#ifdef KVSCOPE_HAVE_F16C
+#define FP8_RAW 256.0f
+#else
+#define FP8_RAW 1.0f
+#endif
+
+/* Token `pos` of a head (slot row `at`) as four vectors left unscaled, and the scale that
+ * makes them its values: an exact anchor row (scale 1) when pos < na, else the pool's row
+ * and its slot's scale (1 for float pools). The scale is applied to the token's score and
+ * its softmax weight instead of to the 64 values, once per token and query head. */
+static inline __attribute__((always_inline)) float load_raw64(
+        v16f r[4], const void *cache, const float *scales, const float *anchor, int64_t pos,
+        int64_t at, int64_t na, int64_t num_kv_heads, int kind) {
+    if (pos < na) {
+        load_row64(r, anchor, pos * num_kv_heads * 64, KV_F32, 1.0f);
+        return 1.0f;
+    }
+    if (kind == KV_I8 || kind == KV_FP8) {
+        load_row64(r, cache, at * 64, kind, kind == KV_FP8 ? 1.0f / FP8_RAW : 1.0f);
+        return kind == KV_FP8 ? scales[at] * FP8_RAW : scales[at];
+    }
+    load_row64(r, cache, at * 64, kind, 1.0f);
+    return 1.0f;
+}
+
+/* The scores s[0..n) of a span, after soft-capping when cap > 0, as e^(s - max) in place;
+ * returns their sum, *max the max. */
+static inline __attribute__((always_inline)) float exp_scores(float *s, int64_t n, float cap,
+                                                              float *max) {
+    if (cap > 0.0f) softcap_scores(s, n, cap);
     float m = -INFINITY, sum = 0.0f;
-    for (int64_t t = 0; t < len; t++) m = s[t] > m ? s[t] : m;
+    for (int64_t t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
     int64_t t = 0;
     v16f acc = {0};
-    for (; t + 16 <= len; t += 16) {
-        v16f v;
-        memcpy(&v, s + t, 64);
-        v = exp_nonpositive16(v - m);
-        memcpy(s + t, &v, 64);
+    for (; t + 16 <= n; t += 16) {
+        v16f v = exp_nonpositive16(*(const v16f_u *)(s + t) - m);
+        *(v16f_u *)(s + t) = v;
         acc += v;
     }
-    for (; t < len; t++) {
+    for (; t < n; t++) {
         s[t] = exp_nonpositive(s[t] - m);
         sum += s[t];
     }
-    float inv = 1.0f / (sum + hsum16(acc));
-    for (t = 0; t < len; t++) s[t] *= inv;
+    *max = m;
+    return sum + hsum16(acc);
 }
 
 #define MAX_GROUP 16
 
-static inline __attribute__((always_inline)) void attend_head64(
-        float *out, const float *q, const int64_t *table, int64_t len, const void *k_cache,
-        const void *v_cache, const float *k_scale, const float *v_scale, int64_t h,
-        int64_t group, int64_t num_kv_heads, int64_t block_size, int kind, float sm_scale,
-        float *scores, const float *ak, const float *av, int64_t na, int64_t lo,
+/* What a span of one head's positions gives its `group` query heads: the max score m[g],
+ * the sum l[g] of e^(s - m[g]) and acc [group, d] the sum of e^(s - m[g]) v, not yet divided
+ * by l (a sequence split over several spans merges them, merge_spans). */
+typedef struct {
+    float *acc, *m, *l;
+} span_out;
+
+/* One sequence's KV head h, positions c0..c1-1, for the `group` query heads q [group, d]
+ * that share it. Walks the block table block by block (no division per token), reading head
+ * h's row of each slot (a block is [block_size, kv_heads, d]): once through K for the
+ * scores, then once through V for the weighted sum. scores: [group * (c1 - c0)] scratch. */
+static inline __attribute__((always_inline)) void span_head64(
+        span_out o, const float *q, const int64_t *table, int64_t c0, int64_t c1,
+        const void *k_cache, const void *v_cache, const float *k_scale, const float *v_scale,
+        int64_t h, int64_t group, int64_t num_kv_heads, int64_t block_size, int kind,
+        float sm_scale, float *scores, const float *ak, const float *av, int64_t na,
         float softcap) {
-    const int64_t cnt = len - lo; /* scores[g * cnt + t]: position lo + t */
+    const int64_t cnt = c1 - c0; /* scores[g * cnt + t]: position c0 + t */
     v16f qv[MAX_GROUP][4], acc[MAX_GROUP][4], r[4], part[MAX_GROUP][16];
+    float sc[16];
     for (int64_t g = 0; g < group; g++)
         for (int i = 0; i < 4; i++) qv[g][i] = *(const v16f_u *)(q + g * 64 + 16 * i);
     /* Each token's products stay 16 lanes wide in part[g][c] until 16 tokens are in, then
-     * sum16x16 turns them into 16 scores at once. */
+     * sum16x16 turns them into 16 scores at once, times their 16 scales. */
     int c = 0;
-    for (int64_t b = lo / block_size, start = b * block_size; start < len;
+    for (int64_t b = c0 / block_size, start = b * block_size; start < c1;
          start += block_size, b++) {
-        int64_t j0 = start < lo ? lo - start : 0;
-        int64_t n = len - start < block_size ? len - start : block_size;
+        int64_t j0 = start < c0 ? c0 - start : 0;
+        int64_t n = c1 - start < block_size ? c1 - start : block_size;
         int64_t at = table[b] * block_size * num_kv_heads + h + j0 * num_kv_heads;
         for (int64_t j = j0; j < n; j++, at += num_kv_heads) {
-            load_token64(r, k_cache, k_scale, ak, start + j, at, na, num_kv_heads, kind);
+            sc[c] = load_raw64(r, k_cache, k_scale, ak, start + j, at, na, num_kv_heads, kind)
+                    * sm_scale;
             for (int64_t g = 0; g < group; g++)
                 part[g][c] = qv[g][0] * r[0] + qv[g][1] * r[1] + (qv[g][2] * r[2] + qv[g][3] * r[3]);
             if (++c == 16) {
+                const v16f scv = *(const v16f_u *)sc;
                 for (int64_t g = 0; g < group; g++)
-                    *(v16f_u *)(scores + g * cnt + start + j - lo - 15) =
-                        sum16x16(part[g]) * sm_scale;
+                    *(v16f_u *)(scores + g * cnt + start + j - c0 - 15) =
+                        sum16x16(part[g]) * scv;
                 c = 0;
             }
         }
     }
     for (int i = 0; i < c; i++)
         for (int64_t g = 0; g < group; g++)
-            scores[g * cnt + cnt - c + i] = hsum16(part[g][i]) * sm_scale;
+            scores[g * cnt + cnt - c + i] = hsum16(part[g][i]) * sc[i];
     for (int64_t g = 0; g < group; g++) {
-        if (softcap > 0.0f) softcap_scores(scores + g * cnt, cnt, softcap);
-        softmax_row(scores + g * cnt, cnt);
+        o.l[g] = exp_scores(scores + g * cnt, cnt, softcap, o.m + g);
         for (int i = 0; i < 4; i++) acc[g][i] = (v16f){0};
     }
-    for (int64_t b = lo / block_size, start = b * block_size; start < len;
+    for (int64_t b = c0 / block_size, start = b * block_size; start < c1;
          start += block_size, b++) {
-        int64_t j0 = start < lo ? lo - start : 0;
-        int64_t n = len - start < block_size ? len - start : block_size;
+        int64_t j0 = start < c0 ? c0 - start : 0;
+        int64_t n = c1 - start < block_size ? c1 - start : block_size;
         int64_t at = table[b] * block_size * num_kv_heads + h + j0 * num_kv_heads;
         for (int64_t j = j0; j < n; j++, at += num_kv_heads) {
-            load_token64(r, v_cache, v_scale, av, start + j, at, na, num_kv_heads, kind);
+            float s = load_raw64(r, v_cache, v_scale, av, start + j, at, na, num_kv_heads, kind);
             for (int64_t g = 0; g < group; g++) {
-                float p = scores[g * cnt + start + j - lo];
+                float p = scores[g * cnt + start + j - c0] * s;
                 for (int i = 0; i < 4; i++) acc[g][i] += p * r[i];
             }
         }
     }
     for (int64_t g = 0; g < group; g++)
-        for (int i = 0; i < 4; i++) *(v16f_u *)(out + g * 64 + 16 * i) = acc[g][i];
+        for (int i = 0; i < 4; i++) *(v16f_u *)(o.acc + g * 64 + 16 * i) = acc[g][i];
+}
+
+/* span_head64 for any head_dim (and groups over MAX_GROUP), rows dequantized in full into
+ * row [d]. */
+static inline __attribute__((always_inline)) void span_head(
+        span_out o, const float *q, const int64_t *table, int64_t c0, int64_t c1,
+        const void *k_cache, const void *v_cache, const float *k_scale, const float *v_scale,
+        int64_t h, int64_t group, int64_t num_kv_heads, int64_t d, int64_t block_size,
+        int kind, float sm_scale, float *scores, float *row, const float *ak, const float *av,
+        int64_t na, float softcap) {
+    const int64_t cnt = c1 - c0;
+    for (int64_t b = c0 / block_size, start = b * block_size; start < c1;
+         start += block_size, b++) {
+        int64_t j0 = start < c0 ? c0 - start : 0;
+        int64_t n = c1 - start < block_size ? c1 - start : block_size;
+        int64_t at = table[b] * block_size * num_kv_heads + h + j0 * num_kv_heads;
+        for (int64_t j = j0; j < n; j++, at += num_kv_heads) {
+            load_token(row, k_cache, k_scale, ak, start + j, at, na, num_kv_heads, d, kind);
+            for (int64_t g = 0; g < group; g++)
+                scores[g * cnt + start + j - c0] = dot(q + g * d, row, d) * sm_scale;
+        }
+    }
+    for (int64_t g = 0; g < group; g++)
+        o.l[g] = exp_scores(scores + g * cnt, cnt, softcap, o.m + g);
+    memset(o.acc, 0, sizeof(float) * (size_t)(group * d));
+    for (int64_t b = c0 / block_size, start = b * block_size; start < c1;
+         start += block_size, b++) {
+        int64_t j0 = start < c0 ? c0 - start : 0;
+        int64_t n = c1 - start < block_size ? c1 - start : block_size;
+        int64_t at = table[b] * block_size * num_kv_heads + h + j0 * num_kv_heads;
+        for (int64_t j = j0; j < n; j++, at += num_kv_heads) {
+            load_token(row, v_cache, v_scale, av, start + j, at, na, num_kv_heads, d, kind);
+            for (int64_t g = 0; g < group; g++) {
+                float p = scores[g * cnt + start + j - c0], *a = o.acc + g * d;
+#pragma omp simd
+                for (int64_t k = 0; k < d; k++) a[k] += p * row[k];
+            }
+        }
+    }
 }
 
 /* Per storage kind, and per group size 1-4 as a constant (SmolLM2 has 3, Llama 3 has 4), so
  * that the loops over the group unroll. */
+#define SPAN_ARGS                                                                          \
+    span_out o, const float *q, const int64_t *table, int64_t c0, int64_t c1,              \
+        const void *kc, const void *vc, const float *ks, const float *vs, int64_t h,       \
+        int64_t group, int64_t kvh, int64_t d, int64_t bs, float sm, float *scores,        \
+        float *row, const float *ak, const float *av, int64_t na, float cap
 #define SPECIALISE64(name, KIND, G)                                                        \
-    static void name(float *out, const float *q, const int64_t *table, int64_t len,        \
-                     const void *kc, const void *vc, const float *ks, const float *vs,      \
-                     int64_t h, int64_t group, int64_t kvh, int64_t d, int64_t bs,          \
-                     float sm, float *scores, float *row, float *acc, const float *ak,      \
-                     const float *av, int64_t na, int64_t lo, float cap) {                  \
-        (void)d; (void)row; (void)acc; (void)group;                                         \
-        attend_head64(out, q, table, len, kc, vc, ks, vs, h, G, kvh, bs, KIND, sm, scores,  \
-                      ak, av, na, lo, cap);                                                 \
+    static void name(SPAN_ARGS) {                                                          \
+        (void)d; (void)row; (void)group;                                                    \
+        span_head64(o, q, table, c0, c1, kc, vc, ks, vs, h, G, kvh, bs, KIND, sm, scores,   \
+                    ak, av, na, cap);                                                       \
     }
 #define SPECIALISE64_GROUPS(prefix, KIND)                                                  \
     SPECIALISE64(prefix##_g1, KIND, 1) SPECIALISE64(prefix##_g2, KIND, 2)                  \
     SPECIALISE64(prefix##_g3, KIND, 3) SPECIALISE64(prefix##_g4, KIND, 4)                  \
     SPECIALISE64(prefix##_gn, KIND, group)
-SPECIALISE64_GROUPS(attend64_f32, KV_F32)
-SPECIALISE64_GROUPS(attend64_bf16, KV_BF16)
-SPECIALISE64_GROUPS(attend64_f16, KV_F16)
-SPECIALISE64_GROUPS(attend64_i8, KV_I8)
-SPECIALISE64_GROUPS(attend64_fp8, KV_FP8)
+SPECIALISE64_GROUPS(span64_f32, KV_F32)
+SPECIALISE64_GROUPS(span64_bf16, KV_BF16)
+SPECIALISE64_GROUPS(span64_f16, KV_F16)
+SPECIALISE64_GROUPS(span64_i8, KV_I8)
+SPECIALISE64_GROUPS(span64_fp8, KV_FP8)
 
-/* attend_head compiled once per storage kind, for head dims other than 64 (and groups over
- * MAX_GROUP); head_dim 64 takes attend_head64 above. */
-#define SPECIALISE(name, KIND, D)                                                          \
-    static void name(float *out, const float *q, const int64_t *table, int64_t len,        \
-                     const void *kc, const void *vc, const float *ks, const float *vs,      \
-                     int64_t h, int64_t group, int64_t kvh, int64_t d, int64_t bs,          \
-                     float sm, float *scores, float *row, float *acc, const float *ak,      \
-                     const float *av, int64_t na, int64_t lo, float cap) {                  \
-        (void)d;                                                                            \
-        attend_head(out, q, table, len, kc, vc, ks, vs, h, group, kvh, D, bs, KIND, sm,     \
-                    scores, row, acc, ak, av, na, lo, cap);                                 \
+#define SPECIALISE(name, KIND)                                                             \
+    static void name(SPAN_ARGS) {                                                          \
+        span_head(o, q, table, c0, c1, kc, vc, ks, vs, h, group, kvh, d, bs, KIND, sm,      \
+                  scores, row, ak, av, na, cap);                                            \
     }
-SPECIALISE(attend_f32, KV_F32, d)
-SPECIALISE(attend_bf16, KV_BF16, d)
-SPECIALISE(attend_f16, KV_F16, d)
-SPECIALISE(attend_i8, KV_I8, d)
-SPECIALISE(attend_fp8, KV_FP8, d)
+SPECIALISE(span_f32, KV_F32)
+SPECIALISE(span_bf16, KV_BF16)
+SPECIALISE(span_f16, KV_F16)
+SPECIALISE(span_i8, KV_I8)
+SPECIALISE(span_fp8, KV_FP8)
 
-typedef void (*attend_fn)(float *, const float *, const int64_t *, int64_t, const void *,
-                          const void *, const float *, const float *, int64_t, int64_t,
-                          int64_t, int64_t, int64_t, float, float *, float *, float *,
-                          const float *, const float *, int64_t, int64_t, float);
+typedef void (*span_fn)(SPAN_ARGS);
 
-static attend_fn pick(int kind, int64_t d, int64_t group) {
-    static const attend_fn any[] = {attend_f32, attend_bf16, attend_f16, attend_i8, attend_fp8};
+static span_fn pick(int kind, int64_t d, int64_t group) {
+    static const span_fn any[] = {span_f32, span_bf16, span_f16, span_i8, span_fp8};
 #define ROW(p) {p##_gn, p##_g1, p##_g2, p##_g3, p##_g4}
-    static const attend_fn d64[][5] = {ROW(attend64_f32), ROW(attend64_bf16), ROW(attend64_f16),
-                                       ROW(attend64_i8), ROW(attend64_fp8)};
+    static const span_fn d64[][5] = {ROW(span64_f32), ROW(span64_bf16), ROW(span64_f16),
+                                     ROW(span64_i8), ROW(span64_fp8)};
 #undef ROW
     if (d != 64 || group > MAX_GROUP) return any[kind];
     return d64[kind][group <= 4 ? group : 0];
@@ -375,6 +388,12 @@ static attend_fn pick(int kind, int64_t d, int64_t group) {
 
 /* Below this many cached rows in a call, a parallel region costs more than it saves. */
 #define PARALLEL_MIN_ROWS 2048
+/* Past that, a sequence is cut into spans of at least this many positions (a multiple of
+ * the block size), about a sixteenth of the call's positions each, so that one long
+ * sequence, or a few, keep every thread busy. The cut depends on the batch alone, never on
+ * the thread count, so the result does not either. */
+#define SPAN_MIN 256
+#define SPANS_PER_CALL 16
 
 /* bfloat16 <-> float32 for the query and output rows (round to nearest even, as torch). */
 static inline void widen_bf16(float *dst, const uint16_t *src, int64_t n) {
@@ -393,6 +412,29 @@ static inline void narrow_bf16(uint16_t *dst, const float *src, int64_t n) {
     }
 }
 
+/* A row's output [group, d] from its spans' (acc, m, l) laid out as in kvscope_paged_decode's
+ * part buffer (span k of the row at part + k * stride): out = sum_k e^(m_k - M) acc_k /
+ * sum_k e^(m_k - M) l_k, M the largest m_k (the softmax over all the row's positions). */
+static void merge_spans(float *out, const float *part, int64_t spans, int64_t stride,
+                        int64_t group, int64_t d) {
+    for (int64_t g = 0; g < group; g++) {
+        float m = -INFINITY, l = 0.0f, *o = out + g * d;
+        for (int64_t k = 0; k < spans; k++) {
+            float mk = part[k * stride + group * d + g];
+            m = mk > m ? mk : m;
+        }
+        memset(o, 0, sizeof(float) * (size_t)d);
+        for (int64_t k = 0; k < spans; k++) {
+            const float *p = part + k * stride;
+            float w = exp_nonpositive(p[group * d + g] - m);
+            l += w * p[group * d + group + g];
+            for (int64_t i = 0; i < d; i++) o[i] += w * p[g * d + i];
+        }
+        float inv = 1.0f / l;
+        for (int64_t i = 0; i < d; i++) o[i] *= inv;
+    }
+}
+
 /* Sequences [first, last) of the batch. query/out: [*, num_heads, head_dim], float32, or
  * bfloat16 when io_bf16 (converted here, in the work item, rather than by two more torch ops
  * per layer); caches: [num_blocks, block_size, num_kv_heads, head_dim]; scales (1-byte
@@ -405,13 +447,14 @@ static inline void narrow_bf16(uint16_t *dst, const float *src, int64_t n) {
  * table entries for blocks wholly before that are never read: they may be -1); softcap > 0:
  * scores become softcap * tanh(score / softcap) before the softmax.
  *
- * The (sequence, KV head) pairs are shared out over OpenMP threads a sequence at a time: its
- * heads' rows interleave in each block, so the head after the first finds them in the cache
- * (10 % faster than pairs dealt one by one). Built with -fopenmp, this
- * library binds to the libgomp torch has already loaded (same soname), so these are torch's
- * own worker threads, already awake from the matmul before, and torch.set_num_threads
- * governs them; a second thread pool would fight torch's spinning one for the cores.
- * Returns 1 when a thread could not allocate its scratch. */
+ * Work items are spans of a sequence's positions (the whole sequence unless it is long for
+ * the call, SPAN_MIN), each for every KV head in turn: the heads' rows interleave in each
+ * block, so the head after the first finds them in the cache. A sequence cut into spans is
+ * merged once every span is in (merge_spans). Built with -fopenmp, this library binds to the
+ * libgomp torch has already loaded (same soname), so these are torch's own worker threads,
+ * already awake from the matmul before, and torch.set_num_threads governs them; a second
+ * thread pool would fight torch's spinning one for the cores.
+ * Returns 1 when the scratch could not be allocated. */
 int kvscope_paged_decode(void *out, const void *query, const int64_t *rows,
                          const int64_t *tables, int64_t table_stride, const int64_t *lens,
                          int64_t first, int64_t last, const void *k_cache, const void *v_cache,
@@ -420,53 +463,110 @@ int kvscope_paged_decode(void *out, const void *query, const int64_t *rows,
                          float sm_scale, int io_bf16, const float *anchor_k,
                          const float *anchor_v, const int64_t *anchor_idx, int64_t anchor_len,
                          int64_t window, float softcap) {
-    const int64_t group = num_heads / num_kv_heads, d = head_dim;
-    int64_t max_len = 0, total = 0; /* max_len: the most positions one row attends to */
-    for (int64_t i = first; i < last; i++) {
-        int64_t n = window > 0 && lens[i] > window ? window : lens[i];
-        max_len = n > max_len ? n : max_len;
-        total += n * num_kv_heads;
+    const int64_t group = num_heads / num_kv_heads, d = head_dim, seqs = last - first;
+    int64_t total = 0;
+    for (int64_t i = first; i < last; i++)
+        total += window > 0 && lens[i] > window ? window : lens[i];
+    const int parallel = total * num_kv_heads >= PARALLEL_MIN_ROWS;
+    int64_t span = INT64_MAX / 4;  /* one span per sequence unless cut below */
+    if (parallel) {
+        span = (total + SPANS_PER_CALL - 1) / SPANS_PER_CALL;
+        span = span < SPAN_MIN ? SPAN_MIN : span;
+        span = (span + block_size - 1) / block_size * block_size;
     }
-    const int64_t items = (last - first) * num_kv_heads;
-    attend_fn attend = pick(kind, d, group);
+    /* spans of sequence i: items first_item[i - first] .. first_item[i - first + 1] - 1 */
+    int64_t *first_item = malloc(sizeof(int64_t) * (size_t)(seqs + 1));
+    if (!first_item) return 1;
+    int64_t items = 0, cut = 0, widest = 0;  /* widest: the most positions in one span */
+    for (int64_t i = first; i < last; i++) {
+        int64_t lo = window > 0 && lens[i] > window ? lens[i] - window : 0;
+        int64_t n = lens[i] <= lo ? 0 : (lens[i] - 1) / span - lo / span + 1;
+        first_item[i - first] = items;
+        items += n;
+        cut += n > 1 ? n : 0;
+        int64_t w = lens[i] - lo < span ? lens[i] - lo : span;
+        widest = w > widest ? w : widest;
+    }
+    first_item[seqs] = items;
+    /* per cut span and KV head: acc [group, d], m [group], l [group] */
+    const int64_t stride = group * (d + 2);
+    float *part = cut ? malloc(sizeof(float) * (size_t)(items * num_kv_heads * stride)) : NULL;
+    if (cut && !part) {
+        free(first_item);
+        return 1;
+    }
+    span_fn attend = pick(kind, d, group);
     int failed = 0;
-#pragma omp parallel if (total >= PARALLEL_MIN_ROWS && items > 1) reduction(| : failed)
+#pragma omp parallel if (parallel && items > 1) reduction(| : failed)
     {
-        /* scores [group, max_len], row [d], acc and, for bfloat16 rows, q and out
+        /* scores [group, widest], row [d], acc, m, l and, for bfloat16 rows, q and out
          * [group, d] each */
-        size_t floats = (size_t)(group * max_len + d + 3 * group * d);
+        size_t floats = (size_t)(group * widest + d + 3 * group * d + 2 * group);
         float *scores = malloc(sizeof(float) * floats);
         if (!scores) failed = 1;
-        float *row = scores ? scores + group * max_len : NULL;
+        float *row = scores ? scores + group * widest : NULL;
         float *acc = row ? row + d : NULL, *qf = acc ? acc + group * d : NULL;
-        float *of = qf ? qf + group * d : NULL;
-#pragma omp for schedule(dynamic, num_kv_heads)
+        float *of = qf ? qf + group * d : NULL, *ml = of ? of + group * d : NULL;
+        int64_t i = first;  /* the sequence of item w: items are in sequence order */
+#pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < items; w++) {
             if (!scores) continue;
-            int64_t i = first + w / num_kv_heads, h = w % num_kv_heads;
-            int64_t at = (rows[i] * num_heads + h * group) * d;
-            const float *q = (const float *)query + at;
-            float *o = (float *)out + at;
-            if (io_bf16) {
-                widen_bf16(qf, (const uint16_t *)query + at, group * d);
-                q = qf;
-                o = of;
+            while (first_item[i - first + 1] <= w) i++;
+            while (first_item[i - first] > w) i--;
+            const int64_t k = w - first_item[i - first];
+            const int64_t spans = first_item[i - first + 1] - first_item[i - first];
+            const int64_t lo = window > 0 && lens[i] > window ? lens[i] - window : 0;
+            const int64_t c0 = k == 0 ? lo : (lo / span + k) * span;
+            const int64_t c1 = (lo / span + k + 1) * span < lens[i]
+                               ? (lo / span + k + 1) * span : lens[i];
+            for (int64_t h = 0; h < num_kv_heads; h++) {
+                int64_t at = (rows[i] * num_heads + h * group) * d;
+                const float *q = (const float *)query + at;
+                if (io_bf16) {
+                    widen_bf16(qf, (const uint16_t *)query + at, group * d);
+                    q = qf;
+                }
+                const float *ak = NULL, *av = NULL;
+                int64_t na = 0;
+                if (anchor_idx && anchor_idx[i] >= 0) {
+                    int64_t base = (anchor_idx[i] * anchor_len * num_kv_heads + h) * d;
+                    ak = anchor_k + base;
+                    av = anchor_v + base;
+                    na = anchor_len < lens[i] ? anchor_len : lens[i];
+                }
+                span_out o = {acc, ml, ml + group};
+                if (spans > 1) {
+                    float *p = part + (w * num_kv_heads + h) * stride;
+                    o = (span_out){p, p + group * d, p + group * d + group};
+                }
+                attend(o, q, tables + i * table_stride, c0, c1, k_cache, v_cache, k_scale,
+                       v_scale, h, group, num_kv_heads, d, block_size, sm_scale, scores, row,
+                       ak, av, na, softcap);
+                if (spans > 1) continue;
+                float *dst = io_bf16 ? of : (float *)out + at;
+                for (int64_t g = 0; g < group; g++) {
+                    const float inv = 1.0f / o.l[g];
+                    for (int64_t x = 0; x < d; x++) dst[g * d + x] = acc[g * d + x] * inv;
+                }
+                if (io_bf16) narrow_bf16((uint16_t *)out + at, of, group * d);
             }
-            const float *ak = NULL, *av = NULL;
-            int64_t na = 0;
-            if (anchor_idx && anchor_idx[i] >= 0) {
-                int64_t base = (anchor_idx[i] * anchor_len * num_kv_heads + h) * d;
-                ak = anchor_k + base;
-                av = anchor_v + base;
-                na = anchor_len < lens[i] ? anchor_len : lens[i];
-            }
-            int64_t lo = window > 0 && lens[i] > window ? lens[i] - window : 0;
-            attend(o, q, tables + i * table_stride, lens[i], k_cache, v_cache, k_scale,
-                   v_scale, h, group, num_kv_heads, d, block_size, sm_scale, scores, row, acc,
-                   ak, av, na, lo, softcap);
+        }
+        /* the cut sequences' spans are all in (the loop's barrier): merge them */
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < seqs * num_kv_heads; w++) {
+            if (!scores) continue;
+            const int64_t s = w / num_kv_heads, h = w % num_kv_heads;
+            const int64_t spans = first_item[s + 1] - first_item[s];
+            if (spans < 2) continue;
+            const int64_t at = (rows[first + s] * num_heads + h * group) * d;
+            float *dst = io_bf16 ? of : (float *)out + at;
+            merge_spans(dst, part + (first_item[s] * num_kv_heads + h) * stride,
+                        spans, num_kv_heads * stride, group, d);
             if (io_bf16) narrow_bf16((uint16_t *)out + at, of, group * d);
         }
         free(scores);
     }
+    free(part);
+    free(first_item);
     return failed;
 }

@@ -178,15 +178,37 @@ void kvscope_add_normed_rms_norm(float *h, const void *y, const float *y_w, cons
     }
 }
 
+/* The pool's own write and rotation (kernels/cpu_kv_write.c, the same library). */
+void kvscope_kv_store(const float *x, int64_t h, int64_t d, const float *R,
+                      const float *shift, const float *gain, int kind, void *cache,
+                      float *scales, int64_t at);
+void kvscope_rotate_row(float *y, const float *a, const float *R, int64_t d);
+
+/* Where a KV row goes and in what form: the cache kind (0 float32, 1 bfloat16, 3 int8,
+ * 4 fp8 e4m3, as kernels/cpu_decode_attention.c numbers them), its scales (1-byte kinds:
+ * [slots, kv_heads] float32), the rotation R [d, d] (NULL: none) and the K shift/gain and
+ * query gain [kv_heads, d] (NULL: no K balance; kernels/k_balance.py). */
+typedef struct {
+    void *k_cache, *v_cache;
+    float *k_scale, *v_scale;
+    const float *R, *shift, *gain, *q_gain;
+    int kind;
+} kv_target;
+
 /* kvscope_rope_write and kvscope_norm_rope_write: q_norm/k_norm NULL for no per-head norm;
- * rot = d for a whole-head rotary. Inlined into both, so the plain one keeps its own code. */
+ * rot = d for a whole-head rotary. Inlined into each, so the plain one keeps its own code.
+ * A plain float pool (t->kind 0 or 1, no transforms) is written in place; any other goes
+ * through kvscope_kv_store, and the query takes the transforms the pool's keys carry,
+ * (q / g) @ R (kernels.ops.paged_attention's, so the scores are those of the plain keys). */
 static inline __attribute__((always_inline)) void norm_rope_write(
     const void *qkv, int64_t rows, const int64_t *positions, const float *cos_table,
     const float *sin_table, int64_t rot, const float *q_norm, const float *k_norm, float eps,
-    float *q_out, void *k_cache, void *v_cache, const int64_t *slots, int64_t heads,
-    int64_t kv_heads, int64_t d, int cache_bf16, int io) {
-    const int64_t half = rot / 2, width = (heads + 2 * kv_heads) * d;
-    float row[ROW_MAX], turned[1024];
+    float *q_out, const int64_t *slots, int64_t heads, int64_t kv_heads, int64_t d,
+    const kv_target *t, int io) {
+    const int64_t half = rot / 2, width = (heads + 2 * kv_heads) * d, group = heads / kv_heads;
+    const int plain = t->kind <= 1 && !t->R && !t->shift;
+    const int cache_bf16 = t->kind == 1;
+    float row[ROW_MAX], turned[1024], tmp[1024];
     for (int64_t r = 0; r < rows; r++) {
         io_read(row, (const char *)qkv + (size_t)(r * width) * (io ? 2 : 4), width, io);
         const float *c = cos_table + positions[r] * rot, *s = sin_table + positions[r] * rot;
@@ -198,18 +220,42 @@ static inline __attribute__((always_inline)) void norm_rope_write(
             for (int64_t i = half; i < rot; i++) turned[i] = x[i] * c[i] + x[i - half] * s[i];
             for (int64_t i = rot; i < d; i++) turned[i] = x[i];  /* past the rotary part */
             if (hd < heads) {
-                memcpy(q_out + (r * heads + hd) * d, turned, sizeof(float) * (size_t)d);
+                float *q = q_out + (r * heads + hd) * d;
+                if (plain) {
+                    memcpy(q, turned, sizeof(float) * (size_t)d);
+                    continue;
+                }
+                if (t->q_gain) {
+                    const float *g = t->q_gain + (hd / group) * d;
+                    for (int64_t i = 0; i < d; i++) turned[i] *= g[i];
+                }
+                if (t->R) {
+                    kvscope_rotate_row(tmp, turned, t->R, d);
+                    memcpy(q, tmp, sizeof(float) * (size_t)d);
+                } else {
+                    memcpy(q, turned, sizeof(float) * (size_t)d);
+                }
                 continue;
             }
-            int64_t at = (slots[r] * kv_heads + (hd - heads)) * d;
-            io_write(cache_bf16 ? (void *)((uint16_t *)k_cache + at)
-                                : (void *)((float *)k_cache + at), turned, d, cache_bf16);
+            int64_t at = slots[r] * kv_heads + (hd - heads);
+            if (!plain) {
+                kvscope_kv_store(turned, hd - heads, d, t->R, t->shift, t->gain, t->kind,
+                                 t->k_cache, t->k_scale, at);
+                continue;
+            }
+            io_write(cache_bf16 ? (void *)((uint16_t *)t->k_cache + at * d)
+                                : (void *)((float *)t->k_cache + at * d), turned, d, cache_bf16);
         }
         for (int64_t hd = 0; hd < kv_heads; hd++) {
-            int64_t at = (slots[r] * kv_heads + hd) * d;
-            io_write(cache_bf16 ? (void *)((uint16_t *)v_cache + at)
-                                : (void *)((float *)v_cache + at),
-                     row + (heads + kv_heads + hd) * d, d, cache_bf16);
+            int64_t at = slots[r] * kv_heads + hd;
+            const float *v = row + (heads + kv_heads + hd) * d;
+            if (!plain) {
+                kvscope_kv_store(v, hd, d, t->R, NULL, NULL, t->kind, t->v_cache, t->v_scale,
+                                 at);
+                continue;
+            }
+            io_write(cache_bf16 ? (void *)((uint16_t *)t->v_cache + at * d)
+                                : (void *)((float *)t->v_cache + at * d), v, d, cache_bf16);
         }
     }
 }
@@ -222,8 +268,9 @@ void kvscope_rope_write(const void *qkv, int64_t rows, const int64_t *positions,
                         const float *cos_table, const float *sin_table, float *q_out,
                         void *k_cache, void *v_cache, const int64_t *slots, int64_t heads,
                         int64_t kv_heads, int64_t d, int cache_bf16, int io) {
+    const kv_target t = {k_cache, v_cache, NULL, NULL, NULL, NULL, NULL, NULL, cache_bf16};
     norm_rope_write(qkv, rows, positions, cos_table, sin_table, d, NULL, NULL, 0.0f, q_out,
-                    k_cache, v_cache, slots, heads, kv_heads, d, cache_bf16, io);
+                    slots, heads, kv_heads, d, &t, io);
 }
 
 /* kvscope_rope_write with two family options. q_norm, k_norm: [d] float32 weights of a
@@ -235,6 +282,24 @@ void kvscope_norm_rope_write(const void *qkv, int64_t rows, const int64_t *posit
                              const float *q_norm, const float *k_norm, float eps, float *q_out,
                              void *k_cache, void *v_cache, const int64_t *slots, int64_t heads,
                              int64_t kv_heads, int64_t d, int cache_bf16, int io) {
+    const kv_target t = {k_cache, v_cache, NULL, NULL, NULL, NULL, NULL, NULL, cache_bf16};
     norm_rope_write(qkv, rows, positions, cos_table, sin_table, rot, q_norm, k_norm, eps,
-                    q_out, k_cache, v_cache, slots, heads, kv_heads, d, cache_bf16, io);
+                    q_out, slots, heads, kv_heads, d, &t, io);
+}
+
+/* kvscope_norm_rope_write into any pool the fused decode takes (engine/fused_decode.py):
+ * kind 0 float32, 1 bfloat16, 3 int8, 4 fp8 e4m3 (k_scale, v_scale: the pool's [slots,
+ * kv_heads] float32 scales, NULL for the float kinds); R [d, d]: the pool's rotation (NULL:
+ * none); shift, gain, q_gain [kv_heads, d]: its K balance (all NULL: none). K is stored as
+ * ((k - shift) * gain) @ R, V as v @ R, and q_out holds (q * q_gain) @ R. */
+void kvscope_rope_write_kv(const void *qkv, int64_t rows, const int64_t *positions,
+                           const float *cos_table, const float *sin_table, int64_t rot,
+                           const float *q_norm, const float *k_norm, float eps, float *q_out,
+                           void *k_cache, void *v_cache, float *k_scale, float *v_scale,
+                           const int64_t *slots, int64_t heads, int64_t kv_heads, int64_t d,
+                           int kind, int io, const float *R, const float *shift,
+                           const float *gain, const float *q_gain) {
+    const kv_target t = {k_cache, v_cache, k_scale, v_scale, R, shift, gain, q_gain, kind};
+    norm_rope_write(qkv, rows, positions, cos_table, sin_table, rot, q_norm, k_norm, eps,
+                    q_out, slots, heads, kv_heads, d, &t, io);
 }

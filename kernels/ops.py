@@ -69,8 +69,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
         write_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale,
                         rotation=rotation, k_balance=k_balance)
     elif path == "cpu" and cpu_kv_write.supports(key, k_cache):
-        cpu_kv_write.write_int8(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale,
-                                rotation, k_balance)
+        cpu_kv_write.write_quantized(key, value, k_cache, v_cache, slot_mapping, k_scale,
+                                     v_scale, rotation, k_balance)
     else:
         write_kv_ref(rotate(balance_k(key, k_balance), rotation), rotate(value, rotation),
                      k_cache, v_cache, slot_mapping, k_scale, v_scale)

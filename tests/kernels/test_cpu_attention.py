@@ -81,8 +81,9 @@ def test_without_a_compiler_the_engine_keeps_the_torch_kernels(monkeypatch, tmp_
 
 
 def test_a_batch_shared_over_threads_matches_one_thread_and_the_reference():
-    """Past the kernel's parallel threshold (2048 cached rows in a call) the (sequence, KV head)
-    pairs are shared out over torch's OpenMP threads: the result may not depend on that."""
+    """Past the kernel's parallel threshold (2048 cached rows in a call) the sequences, the
+    long ones cut into spans (here 333 positions: two), are shared out over torch's OpenMP
+    threads: the result may not depend on that."""
     q_lens, ctx_lens = [1] * 12, [200, 7, 130, 64, 1, 90, 333, 16, 48, 150, 2, 77]
     query, kc, vc, meta, tables = build_batch(q_lens, ctx_lens, 16, 6, 3, 64, num_blocks=120,
                                               seed=5)
