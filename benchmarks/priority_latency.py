@@ -13,7 +13,13 @@ a ZeroMQ `reconfigure`, the server and its model stay), three phases of --second
 * alone: the background alone: --bg-streams streamed /v1/completions in a closed loop (each
   sends its next request when the last ended), prompts of --bg-min-words..--bg-max-words
   random words, --bg-tokens tokens out, at priority 0;
-* beside: both at once.
+* beside: both at once; under "priority", once per --lower-tokens value (the server's
+  priority_lower_tokens, switched in place: 0 = protected steps off), against the same idle
+  and alone phases (neither has two priorities live, so the knob does not act in them).
+
+Between the idle and the alone phase the benchmark waits out the server's priority_hold_s
+(protected steps go on that long after the last chat), so the alone baseline runs at full
+batch.
 
 The background phases start measuring once every stream is producing (at most BG_READY_S
 later: the table says how many were), and count the background over exactly --seconds; the
@@ -58,6 +64,8 @@ WORDS = (
 )
 BG_READY_S = 60.0  # longest wait for every background stream to produce (a loaded box)
 TOPICS = ("the weather", "a good book", "tea", "the sea", "trains", "a small cat")
+SETTINGS_SHOWN = ("scheduling_policy", "max_num_seqs", "max_num_batched_tokens",
+                  "max_prefill_tokens_while_decoding", "priority_lower_tokens", "priority_hold_s")
 
 
 @dataclass
@@ -196,8 +204,22 @@ def ratios(idle: dict, alone: dict, beside: dict) -> dict:
     return {"ratios": got, "meets": meets}
 
 
+def beside_runs(client, url: str, policy: str, lower_tokens: list[int] | None, load: Load,
+                seconds: float) -> dict[str, dict]:
+    """The beside phase, once, or under "priority" once per priority_lower_tokens value."""
+    if policy != "priority" or not lower_tokens:
+        log(f"{policy}: beside ({seconds:g} s)")
+        return {"beside": measured(url, load, seconds, True, True)}
+    runs = {}
+    for n in lower_tokens:
+        client.reconfigure(priority_lower_tokens=n)
+        log(f"{policy}: beside, priority_lower_tokens={n} ({seconds:g} s)")
+        runs[f"beside:{n}"] = measured(url, load, seconds, True, True)
+    return runs
+
+
 def bench(serve_args: list[str], policies: list[str], load: Load, seconds: float,
-          threads: int | None) -> dict:
+          threads: int | None, lower_tokens: list[int] | None = None) -> dict:
     from kvscope.ipc import EngineClient
 
     proc, command, state = start_server(["--http-port", "0", *serve_args], threads)
@@ -209,16 +231,26 @@ def bench(serve_args: list[str], policies: list[str], load: Load, seconds: float
             asyncio.run(phase(url, load, min(2.0, seconds), fg=True, bg=True))
             for policy in policies:
                 settings = client.reconfigure(scheduling_policy=policy)
+                default_lower = getattr(settings, "priority_lower_tokens", 0)
                 runs = {}
-                for name, fg, bg in (("idle", True, False), ("alone", False, True),
-                                     ("beside", True, True)):
-                    log(f"{policy}: {name} ({seconds:g} s)")
-                    runs[name] = measured(url, load, seconds, fg, bg)
-                out[policy] = {**runs, **ratios(runs["idle"], runs["alone"], runs["beside"]),
-                               "settings": {k: getattr(settings, k, None) for k in
-                                            ("scheduling_policy", "max_num_seqs",
-                                             "max_num_batched_tokens",
-                                             "max_prefill_tokens_while_decoding")}}
+                log(f"{policy}: idle ({seconds:g} s)")
+                runs["idle"] = measured(url, load, seconds, True, False)
+                # the alone baseline at full batch: after the hold the idle chats started
+                time.sleep(getattr(settings, "priority_hold_s", 0.0))
+                log(f"{policy}: alone ({seconds:g} s)")
+                runs["alone"] = measured(url, load, seconds, False, True)
+                runs.update(beside_runs(client, url, policy, lower_tokens, load, seconds))
+                if policy == "priority" and lower_tokens:
+                    client.reconfigure(priority_lower_tokens=default_lower)
+                for name in [n for n in runs if n.startswith("beside")]:
+                    key = policy if name == "beside" else f"{policy}:{name[7:]}"
+                    out[key] = {"idle": runs["idle"], "alone": runs["alone"],
+                                "beside": runs[name],
+                                **ratios(runs["idle"], runs["alone"], runs[name]),
+                                "settings": {k: getattr(settings, k, None) for k in
+                                             SETTINGS_SHOWN}}
+                    if name != "beside":
+                        out[key]["settings"]["priority_lower_tokens"] = int(name[7:])
     finally:
         proc.terminate()
         proc.wait(30)
@@ -241,21 +273,26 @@ def table(result: dict) -> str:
              f"priority {load['fg_priority']}; background: {load['bg_streams']} streams, "
              f"{load['bg_words'][0]}-{load['bg_words'][1]} words, {load['bg_tokens']} tokens; "
              f"{result['seconds']:g} s per phase",
-             f"{'policy':9s}{'phase':8s}{'TTFT p50':>9s}{'p99':>7s}{'ITL p50':>9s}{'p99':>7s}"
+             f"{'policy':12s}{'phase':8s}{'TTFT p50':>9s}{'p99':>7s}{'ITL p50':>9s}{'p99':>7s}"
              f"{'bg tok/s':>10s}{'fg reqs':>9s}  preemptions (memory/priority)  bg streams "
              f"producing at the start"]
+    shown = None  # the idle and alone phases a priority_lower_tokens sweep shares: once
     for policy, r in result["policies"].items():
-        for name in ("idle", "alone", "beside"):
+        names = ["idle", "alone", "beside"]
+        if shown == (r["idle"], r["alone"]):
+            names = ["beside"]
+        shown = (r["idle"], r["alone"])
+        for name in names:
             p = r[name]
             bg = "-" if p["bg_tokens_per_s"] is None else f"{p['bg_tokens_per_s']:.1f}"
             pre = p["preemptions"]
-            lines.append(f"{policy:9s}{name:8s}{_ms(p['ttft_p50_s']):>9s}"
+            lines.append(f"{policy:12s}{name:8s}{_ms(p['ttft_p50_s']):>9s}"
                          f"{_ms(p['ttft_p99_s']):>7s}{_ms(p['itl_p50_s']):>9s}"
                          f"{_ms(p['itl_p99_s']):>7s}{bg:>10s}{p['fg_requests']:>9d}  "
                          f"{pre.get('memory', 0):.0f}/{pre.get('priority', 0):.0f}"
                          + ("" if p["bg_streams_producing"] is None
                             else f"  {p['bg_streams_producing']}/{load['bg_streams']}"))
-        lines.append(f"{'':9s}targets: TTFT p99 {_ratio(r, 'ttft_p99')} (<= 1.5x idle), "
+        lines.append(f"{'':12s}targets: TTFT p99 {_ratio(r, 'ttft_p99')} (<= 1.5x idle), "
                      f"ITL p99 {_ratio(r, 'itl_p99')} (<= 2x idle), background "
                      f"{_ratio(r, 'bg_tokens_per_s')} (>= 0.9x alone)")
     lines.append("times in ms, client side; p99 of a short phase is about its maximum")
@@ -271,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="length of each phase (three per policy; default 30)")
     p.add_argument("--policies", default="fcfs,priority",
                    help="comma-separated scheduling policies to compare")
+    p.add_argument("--lower-tokens", default="",
+                   help="comma-separated priority_lower_tokens values: under priority, one "
+                        "beside phase for each (default: the server's setting only)")
     p.add_argument("--fg-interval", type=float, default=1.5)
     p.add_argument("--fg-tokens", type=int, default=48)
     p.add_argument("--fg-priority", type=int, default=-1)
@@ -288,6 +328,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.bg_max_words < args.bg_min_words:
         problems.append("--bg-max-words must be >= --bg-min-words")
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    try:
+        lower_tokens = [int(x) for x in args.lower_tokens.split(",") if x.strip()]
+    except ValueError:
+        lower_tokens = [-1]
+    if any(n < 0 for n in lower_tokens):
+        problems.append("--lower-tokens must be integers >= 0")
     if not policies:
         problems.append("--policies names no policy")
     if problems:
@@ -295,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     load = Load(args.fg_interval, args.fg_tokens, args.fg_priority, args.bg_streams,
                 (args.bg_min_words, args.bg_max_words), args.bg_tokens, args.seed)
-    result = bench(serve_args, policies, load, args.seconds, args.server_threads)
+    result = bench(serve_args, policies, load, args.seconds, args.server_threads,
+                   lower_tokens)
     print_result(result, table, args.json, table_to_stderr=True)
     return 0
 

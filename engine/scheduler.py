@@ -18,9 +18,20 @@ Policies (EngineConfig.scheduling_policy):
 Under both, when decodes are running the step's prefill tokens are capped
 (max_prefill_tokens_while_decoding): a long prefill in the same step would hold every decode's
 next token back for its whole chunk.
+
+priority, protected steps (priority_lower_tokens > 0): while a request of strictly higher
+priority than others is live (running or waiting), or finished less than priority_hold_s ago
+(a chat's next turn comes within seconds), each step carries at most priority_lower_tokens
+tokens of the less urgent work, handed out round-robin over the less urgent running requests
+(then to their admissions), so the step, which every token in it waits for, stays close to
+the urgent requests' own step time. The urgent requests' prefill is not capped by the less
+urgent decodes. The less urgent head of the waiting queue takes turns too, so every less
+urgent running request gets a token within len(them) + len(waiting) steps (docs/scheduling.md
+has the measurements and what the background loses).
 """
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -36,18 +47,20 @@ POLICIES = ("fcfs", "priority")
 # The EngineConfig fields only the scheduler reads: a reconfigure that changes nothing else
 # applies them in place, keeping the pool, its prefix cache and both queues.
 SCHEDULING_SETTINGS = frozenset({"scheduling_policy", "priority_aging_s",
-                                 "max_prefill_tokens_while_decoding"})
+                                 "max_prefill_tokens_while_decoding", "priority_lower_tokens",
+                                 "priority_hold_s"})
 
 
 @dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int
+    num_draft_tokens: int = 0  # of num_tokens, drafted by engine.spec_decode (verified)
 
     @property
     def is_decode(self) -> bool:
         """One new token after an already generated one (anything else is prefill work)."""
-        return self.num_tokens == 1 and self.seq.num_output_tokens > 0 \
+        return self.num_tokens - self.num_draft_tokens == 1 and self.seq.num_output_tokens > 0 \
             and self.seq.num_computed_tokens == self.seq.num_tokens - 1
 
 
@@ -55,6 +68,7 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, *, policy: str = "fcfs",
                  priority_aging_s: float = 0.0, max_prefill_tokens_while_decoding: int = 0,
+                 priority_lower_tokens: int = 0, priority_hold_s: float = 0.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -63,9 +77,22 @@ class Scheduler:
         self.policy = "fcfs"
         self.priority_aging_s = 0.0
         self.max_prefill_tokens_while_decoding = 0
+        self.priority_lower_tokens = 0
+        self.priority_hold_s = 0.0
         self.waiting = WaitingQueue()
         self.running: list[Sequence] = []
         self._running_priorities: Counter[int] = Counter()  # of the running requests
+        self._live_priorities: Counter[int] = Counter()  # of every running or waiting one
+        # Protected steps: the urgent priority of this step (None: not protecting) and what
+        # is left of its allowance for less urgent work; the hold after more urgent requests
+        # left, (priority, when); the round-robin: the protected step (a count) in which each
+        # less urgent running request last had its turn.
+        self._urgent: int | None = None
+        self._lower_left = 0  # for the less urgent running requests
+        self._reserved = 0  # for the less urgent head of the waiting queue, when its turn
+        self._hold: tuple[int, float] | None = None
+        self._turns = 0
+        self._last_turn: dict[Sequence, int] = {}
         self._order: dict[Sequence, int] = {}  # ties of arrival_time: the order of add()
         self._keys: dict[Sequence, tuple[float, ...]] = {}
         self._added = 0
@@ -79,16 +106,20 @@ class Scheduler:
         self._marked = "budget"  # the reason _mark_waiting last gave every waiting request
         # Requests finished by the scheduler itself (no room even alone); the engine reports them.
         self.finished_by_capacity: list[Sequence] = []
-        self.configure(policy, priority_aging_s, max_prefill_tokens_while_decoding)
+        self.configure(policy, priority_aging_s, max_prefill_tokens_while_decoding,
+                       priority_lower_tokens, priority_hold_s)
 
     # -- settings --------------------------------------------------------------------------
     def configure(self, policy: str, priority_aging_s: float,
-                  max_prefill_tokens_while_decoding: int) -> None:
+                  max_prefill_tokens_while_decoding: int, priority_lower_tokens: int = 0,
+                  priority_hold_s: float = 0.0) -> None:
         """Change the policy knobs between steps; the queues are kept (and re-sorted)."""
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy {policy!r} is invalid: expected one of "
                              f"{POLICIES}")
         self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
+        self.priority_lower_tokens = priority_lower_tokens
+        self.priority_hold_s = priority_hold_s
         if (policy, priority_aging_s) == (self.policy, self.priority_aging_s):
             return
         self.policy, self.priority_aging_s = policy, priority_aging_s
@@ -101,7 +132,8 @@ class Scheduler:
 
     def configure_from(self, config: EngineConfig) -> None:
         self.configure(config.scheduling_policy, config.priority_aging_s,
-                       config.max_prefill_tokens_while_decoding)
+                       config.max_prefill_tokens_while_decoding, config.priority_lower_tokens,
+                       config.priority_hold_s)
 
     def _compute_key(self, seq: Sequence) -> tuple[float, ...]:
         """Lower first. Aged: the effective priority, p - waited / aging_s, ranks two requests
@@ -117,6 +149,7 @@ class Scheduler:
         self._order[seq] = self._added
         self._added += 1
         self._keys[seq] = self._compute_key(seq)
+        self._live_priorities[seq.params.priority] += 1
         seq.wait_reason = "preempted" if seq in self._thrown else self._blocked
         self.waiting.push(seq)
 
@@ -137,7 +170,12 @@ class Scheduler:
         memory_before = self.preemptions_by_reason["memory"]
         scheduled: list[ScheduledSeq] = []
         budget = self.max_num_batched_tokens
+        urgent = self._urgent = self._urgent_priority()
+        self._lower_left, self._reserved = self.priority_lower_tokens, 0
         prefill_left = self._prefill_allowance()
+        # protected: the less urgent running requests whose turn it is (the rest skip)
+        turns = set() if urgent is None else self._lower_turns(urgent)
+        above = sys.maxsize if urgent is None else urgent  # less urgent: a priority above it
         bm = self.block_manager
         bs, caching = bm.block_size, bm.enable_prefix_caching
         running = SequenceStatus.RUNNING
@@ -155,6 +193,9 @@ class Scheduler:
                 break
             if seq.status is not running:
                 continue  # preempted a moment ago to make room for an earlier request
+            lower = seq.params.priority > above
+            if lower and (self._lower_left == 0 or seq not in turns):
+                continue  # holds its blocks; its turn comes in a later step
             if head is not None and head < keys[seq]:
                 budget, prefill_left, admitting = self._admit(scheduled, budget, prefill_left,
                                                               before=seq)
@@ -171,6 +212,8 @@ class Scheduler:
                 if prefill_left == 0:
                     continue  # holds its blocks; its next chunk comes in a later step
                 num_tokens = min(num_tokens, budget, prefill_left)
+                if lower:
+                    num_tokens = min(num_tokens, self._lower_left)
             end = start + num_tokens
             need = -(-end // bs) - len(seq.block_table)  # = bm.num_new_blocks when > 0
             if need > 0:
@@ -186,6 +229,8 @@ class Scheduler:
             budget -= num_tokens
             if prefill:
                 prefill_left -= num_tokens
+            if lower:
+                self._lower_left -= num_tokens
         # Admitting new work right after the pool ran dry would only thrash it.
         if self.preemptions_by_reason["memory"] != memory_before:
             self._blocked = "memory"
@@ -196,12 +241,71 @@ class Scheduler:
 
     def _prefill_allowance(self) -> int:
         """Prefill tokens this step may carry: the cap when a decode runs (never less than a
-        block, so a prefill always gets somewhere), else the whole budget."""
-        cap = self.max_prefill_tokens_while_decoding
+        block, so a prefill always gets somewhere), else the whole budget. In a protected
+        step only the urgent decodes count: the less urgent ones are a few tokens of it."""
+        cap, urgent = self.max_prefill_tokens_while_decoding, self._urgent
         if cap and any(len(s.token_ids) - s.num_computed_tokens == 1
-                       and len(s.token_ids) > len(s.prompt_token_ids) for s in self.running):
+                       and len(s.token_ids) > len(s.prompt_token_ids)
+                       and (urgent is None or s.params.priority <= urgent)
+                       for s in self.running):
             return max(cap, self.block_manager.block_size)
         return self.max_num_batched_tokens
+
+    def _urgent_priority(self) -> int | None:
+        """The priority a protected step serves first: the most urgent live one (or held, in
+        priority_hold_s after such requests left) when some live work is less urgent; None
+        when nothing is protected."""
+        if self.policy != "priority" or not self.priority_lower_tokens \
+                or not self._live_priorities:
+            return None
+        urgent, least = min(self._live_priorities), max(self._live_priorities)
+        if self._hold is not None:
+            held, when = self._hold
+            if self.clock() - when < self.priority_hold_s:
+                urgent = min(urgent, held)
+            else:
+                self._hold = None
+        return urgent if urgent < least else None
+
+    def _lower_turns(self, urgent: int) -> set[Sequence]:
+        """The less urgent running requests a protected step serves: those whose last turn
+        is the longest ago (round-robin), as many as priority_lower_tokens covers (a decode
+        is a token, a prefill chunk up to all of it). The head of the waiting queue takes
+        part when it is less urgent: its turn reserves its chunk for its admission (else
+        the running ones' decodes would spend every allowance and it would wait, and the
+        urgent requests queued behind it with it, until they finished). The step still
+        visits the running requests in their order, so a memory victim (the last) is never
+        one it has already scheduled."""
+        last = self._last_turn
+        rest = [s for s in self.running if s.params.priority > urgent]
+        head = self.waiting.head() if self.waiting else None
+        if head is not None and head.params.priority > urgent:
+            rest.append(head)
+        rest.sort(key=lambda s: last.get(s, -1))
+        turns: set[Sequence] = set()
+        left = self.priority_lower_tokens
+        for seq in rest:
+            if left <= 0:
+                break
+            take = min(left, seq.num_tokens - seq.num_computed_tokens)
+            last[seq] = self._turns
+            if seq is head:
+                self._reserved, self._lower_left = take, self._lower_left - take
+            else:
+                turns.add(seq)
+            left -= take
+        self._turns += 1
+        return turns
+
+    def _lower_allowance(self) -> int:
+        """What a less urgent admission may take: the running ones' rest and the reserve."""
+        return self._lower_left + self._reserved
+
+    def _spend_lower(self, num_tokens: int) -> None:
+        """A less urgent admission took num_tokens: the reserve first."""
+        from_reserve = min(num_tokens, self._reserved)
+        self._reserved -= from_reserve
+        self._lower_left -= num_tokens - from_reserve
 
     def _make_room(self, seq: Sequence, need: int) -> bool:
         """Preempt the last running requests until seq's `need` new blocks are free; False if
@@ -234,8 +338,14 @@ class Scheduler:
             if full and not self._may_displace(seq):
                 self._blocked = "max_num_seqs"
                 return budget, prefill_left, False
+            lower = self._urgent is not None and seq.params.priority > self._urgent
+            if lower and self._lower_allowance() == 0:
+                self._blocked = "budget"  # the protected step's allowance is spent
+                return budget, prefill_left, False
             hits = bm.match_prefix(seq)
             num_tokens = min(seq.num_tokens - len(hits) * bm.block_size, budget, prefill_left)
+            if lower:
+                num_tokens = min(num_tokens, self._lower_allowance())
             if full or not bm.can_allocate(seq, hits, num_tokens):
                 if not full and not self.running and bm.num_used_blocks == 0:
                     self.waiting.pop_head()
@@ -246,8 +356,12 @@ class Scheduler:
                     return budget, prefill_left, False
                 # Room made for seq alone: admitting more (a victim even) would thrash.
                 self._admit_one(seq, hits, num_tokens, scheduled)
+                if lower:
+                    self._spend_lower(num_tokens)
                 return budget - num_tokens, prefill_left - num_tokens, False
             self._admit_one(seq, hits, num_tokens, scheduled)
+            if lower:
+                self._spend_lower(num_tokens)
             budget -= num_tokens
             prefill_left -= num_tokens
         self._blocked = "budget"  # nothing blocks: an arrival waits for the next step's budget
@@ -336,6 +450,7 @@ class Scheduler:
     # -- leaving ---------------------------------------------------------------------------
     def _leave_running(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._last_turn.pop(seq, None)
         counts, p = self._running_priorities, seq.params.priority
         counts[p] -= 1
         if not counts[p]:
@@ -361,6 +476,8 @@ class Scheduler:
             self._leave_running(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        if seq in self._order:  # live until now (not finished before)
+            self._left(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -368,6 +485,19 @@ class Scheduler:
         self._order.pop(seq, None)
         self._keys.pop(seq, None)
         self._thrown.pop(seq, None)
+        self._last_turn.pop(seq, None)
+
+    def _left(self, seq: Sequence) -> None:
+        """seq is no longer live; when it was more urgent than work still live, hold the
+        protected steps for priority_hold_s (the next turn of a chat comes soon)."""
+        counts, p = self._live_priorities, seq.params.priority
+        counts[p] -= 1
+        if not counts[p]:
+            del counts[p]
+        if self.priority_hold_s > 0 and counts and p < max(counts):
+            held, now = self._hold, self.clock()
+            if held is None or p <= held[0] or now - held[1] >= self.priority_hold_s:
+                self._hold = (p, now)
 
     def finish_for_capacity(self, seq: Sequence) -> None:
         """The pool cannot hold seq's next token even with nothing else running."""
@@ -381,8 +511,11 @@ def scheduler_for(block_manager: BlockManager, config: EngineConfig,
     cumulative counters."""
     sched = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                       policy=config.scheduling_policy, priority_aging_s=config.priority_aging_s,
-                      max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding)
+                      max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding,
+                      priority_lower_tokens=config.priority_lower_tokens,
+                      priority_hold_s=config.priority_hold_s)
     if previous is not None:
+        sched._hold = previous._hold  # a rebuilt pool does not end a chat's hold
         sched.num_preemptions = previous.num_preemptions
         sched.preemptions_by_reason = dict(previous.preemptions_by_reason)
         sched.recomputed_tokens = previous.recomputed_tokens

@@ -19,14 +19,20 @@ def model(tmp_path_factory):
 def test_a_short_run_reports_each_phase_of_each_policy(model, capsys):
     argv = ["--model", str(model), "--device", "cpu", "--max-model-len", "256", "--json",
             "--seconds", "1.5", "--fg-interval", "0.5", "--fg-tokens", "5", "--bg-streams", "2",
-            "--bg-min-words", "3", "--bg-max-words", "6", "--bg-tokens", "12"]
+            "--bg-min-words", "3", "--bg-max-words", "6", "--bg-tokens", "12",
+            "--priority-hold-s", "0.2", "--lower-tokens", "0,2"]
     assert bench.main(argv) == 0
     captured = capsys.readouterr()
     r = json.loads(captured.out)
     assert "targets: TTFT p99" in captured.err  # the table, beside the JSON
-    assert list(r["policies"]) == ["fcfs", "priority"]
+    # under priority, one beside phase per priority_lower_tokens value, one idle and alone
+    assert list(r["policies"]) == ["fcfs", "priority:0", "priority:2"]
+    sweep = r["policies"]["priority:0"], r["policies"]["priority:2"]
+    assert sweep[0]["idle"] == sweep[1]["idle"] and sweep[0]["beside"] != sweep[1]["beside"]
+    assert [s["settings"]["priority_lower_tokens"] for s in sweep] == [0, 2]
+    assert r["policies"]["fcfs"]["settings"]["priority_hold_s"] == 0.2
     for policy, runs in r["policies"].items():
-        assert runs["settings"]["scheduling_policy"] == policy
+        assert runs["settings"]["scheduling_policy"] == policy.split(":")[0]
         idle, alone, beside = runs["idle"], runs["alone"], runs["beside"]
         for p in (idle, beside):
             assert p["fg_requests"] == 3  # 1.5 s at one every 0.5 s, all finished
@@ -52,6 +58,7 @@ def test_targets_are_judged_in_the_right_direction():
     (["--seconds", "0"], "--seconds must be > 0"),
     (["--bg-min-words", "9", "--bg-max-words", "3"], "--bg-max-words must be >= --bg-min"),
     (["--policies", ","], "--policies names no policy"),
+    (["--lower-tokens", "2,x"], "--lower-tokens must be integers >= 0"),
 ])
 def test_bad_options_are_clear_errors(args, message, capsys):
     assert bench.main(args) == 2

@@ -48,6 +48,7 @@ class PSim(Sim):
         self.recomputed = 0
         # per step: (index in seqs, tokens) scheduled, then (index, -1) for each preemption
         self.history: list[list[tuple[int, int]]] = []
+        self.left_at: dict[int, float] = {}  # id(seq) -> when it finished (the fake clock)
 
     def add(self, prompt: list[int], max_tokens: int, priority: int = 0, age: float = 0.0
             ) -> Sequence:
@@ -72,8 +73,11 @@ class PSim(Sim):
         running_before = list(sched.running)
         waiting_before = list(sched.waiting)
         computed_before = {id(s): s.num_computed_tokens for s in running_before}
-        decoding = any(at_decode(s) for s in running_before)
+        now = self.clock.now
+        live = [s.params.priority for s in (*running_before, *waiting_before)]
         batch = sched.schedule()
+        urgent = sched._urgent  # the priority this step protected; None: not protected
+        self.check_protection(batch, running_before, live, urgent)
         self.steps += 1
         self.clock.now += 1.0
         index = {s.request_id: i for i, s in enumerate(self.seqs)}
@@ -91,12 +95,15 @@ class PSim(Sim):
             assert len(s.block_table) * bm.block_size >= s.num_computed_tokens + item.num_tokens
             assert s.wait_reason == "" and s.first_scheduled_time is not None
         cap = sched.max_prefill_tokens_while_decoding
-        if cap and decoding:
+        # the cap counts the decodes of the protected priority only (all of them unprotected)
+        if cap and any(at_decode(s) and (urgent is None or s.params.priority <= urgent)
+                       for s in running_before):
             prefill = sum(i.num_tokens for i in batch if not at_decode(i.seq))
             assert prefill <= max(cap, bm.block_size), f"{prefill} prefill tokens while decoding"
 
         for s in sched.finished_by_capacity:
             assert s.is_finished and s.finish_reason == "length" and s.block_table == []
+            self.left_at[id(s)] = now
         self.capacity_finished += sched.finished_by_capacity
         sched.finished_by_capacity = []
 
@@ -131,6 +138,30 @@ class PSim(Sim):
 
         self.run_model(batch, admitted)
 
+    def abort(self, seq: Sequence) -> None:
+        super().abort(seq)
+        self.left_at[id(seq)] = self.clock.now
+
+    def check_protection(self, batch: list[ScheduledSeq], running_before: list[Sequence],
+                         live: list[int], urgent: int | None) -> None:
+        """Protected steps: on while priorities differ among the live requests (or in the
+        hold after more urgent ones left), and then the less urgent work in the step is at
+        most priority_lower_tokens tokens, handed round-robin (served within len(them))."""
+        sched = self.sched
+        on = sched.policy == "priority" and sched.priority_lower_tokens > 0
+        if on and live and min(live) < max(live):
+            assert urgent is not None and urgent <= min(live)
+        if not on:
+            assert urgent is None
+        if urgent is None:
+            return
+        if not live or min(live) >= max(live):  # only a hold: a more urgent one left lately
+            assert any(s.is_finished and s.params.priority == urgent
+                       and self.clock.now - self.left_at.get(id(s), -math.inf)
+                       < sched.priority_hold_s for s in self.seqs), "protected without a cause"
+        lower = [i for i in batch if i.seq.params.priority > urgent]
+        assert sum(i.num_tokens for i in lower) <= sched.priority_lower_tokens
+
     def run_model(self, batch: list[ScheduledSeq], admitted: list[Sequence] | None = None
                   ) -> None:
         """Write each chunk's K/V into the shadow pool, mark it computed, sample, finish.
@@ -161,6 +192,7 @@ class PSim(Sim):
                 s.token_ids.append((s.num_tokens * 7 + len(s.request_id)) % self.alphabet)
                 if s.num_output_tokens >= s.params.max_tokens:
                     sched.finish(s, "length")
+                    self.left_at[id(s)] = self.clock.now
 
     def check(self) -> None:
         super().check()
@@ -213,11 +245,12 @@ class PSim(Sim):
 
 def psim(num_blocks: int = 16, bs: int = 2, caching: bool = False, max_seqs: int = 4,
          budget: int = 64, alphabet: int = 3, policy: str = "priority", aging: float = 0.0,
-         cap: int = 0) -> PSim:
+         cap: int = 0, lower: int = 0, hold: float = 0.0) -> PSim:
     bm = BlockManager(num_blocks, bs, caching)
     clock = Clock()
     sched = Scheduler(bm, max_seqs, budget, policy=policy, priority_aging_s=aging,
-                      max_prefill_tokens_while_decoding=cap, clock=clock)
+                      max_prefill_tokens_while_decoding=cap, priority_lower_tokens=lower,
+                      priority_hold_s=hold, clock=clock)
     return PSim(bm, sched, alphabet, clock)
 
 
@@ -436,6 +469,155 @@ def test_aging_bounds_every_wait(aging, priorities, data):
     assert all(s.first_scheduled_time is not None for s in seqs)
 
 
+# -- protected steps (priority_lower_tokens, priority_hold_s) ---------------------------------
+
+def decoding_sim(num_bg: int, lower: int, hold: float = 0.0, cap: int = 0,
+                 max_tokens: int = 200) -> tuple[PSim, list[Sequence]]:
+    """num_bg priority-0 requests, all decoding (so no step has prefill work yet)."""
+    sim = psim(num_blocks=256, bs=4, max_seqs=16, budget=64, lower=lower, hold=hold, cap=cap)
+    bg = [sim.add([i % 3, 1], max_tokens=max_tokens) for i in range(num_bg)]
+    steps(sim, 1)
+    assert all(at_decode(s) for s in bg)
+    return sim, bg
+
+
+def composition(sim: PSim) -> dict[str, int]:
+    """One step: request id -> tokens scheduled."""
+    batch = sim.sched.schedule()
+    sim.clock.now += 1
+    sim.run_model(batch)
+    return {i.seq.request_id: i.num_tokens for i in batch}
+
+
+def test_protected_steps_serve_the_urgent_decode_and_rotate_the_rest():
+    sim, bg = decoding_sim(6, lower=2)
+    assert len(composition(sim)) == 6  # one priority: every decode, every step
+    fg = sim.add([0, 1, 2], max_tokens=30, priority=-1)
+    first = composition(sim)
+    assert first[fg.request_id] == 3 and sum(first.values()) == 5  # its prefill + 2 others
+    served: list[str] = []
+    for _ in range(9):
+        step = composition(sim)
+        assert step.pop(fg.request_id) == 1  # the urgent decode, every step
+        assert len(step) == 2 and set(step.values()) == {1}
+        served += step
+    # round-robin: over 3 steps each background request had exactly one token
+    for k in range(0, 9, 3):
+        window = served[2 * k:2 * k + 6]
+        assert sorted(window) == sorted(s.request_id for s in bg)
+
+
+def test_urgent_prefill_is_not_capped_by_the_background_decodes():
+    sim, _ = decoding_sim(4, lower=1, cap=4)
+    fg = sim.add([0, 1, 2] * 6, max_tokens=2, priority=-1)  # 18 prompt tokens
+    step = composition(sim)
+    assert step.pop(fg.request_id) == 18 and sum(step.values()) == 1
+    # ... while an urgent decode runs, the cap is back for the next urgent prompt
+    fg2 = sim.add([2, 1, 0] * 6, max_tokens=2, priority=-1)
+    step = composition(sim)
+    assert step[fg.request_id] == 1 and step[fg2.request_id] == 4
+
+
+def test_background_admissions_share_the_allowance():
+    sim, _ = decoding_sim(2, lower=3)
+    fg = sim.add([0, 1], max_tokens=40, priority=-1)
+    steps(sim, 1)
+    late = sim.add([1, 2, 0] * 4, max_tokens=2)  # a 12-token background prompt
+    step = composition(sim)
+    assert step.pop(fg.request_id) == 1
+    assert step == {late.request_id: 3}  # its turn first: the whole allowance
+    seen: set[str] = set()
+    while late.num_computed_tokens < 12:  # then it shares the turns with the decodes
+        step = composition(sim)
+        assert step.pop(fg.request_id) == 1 and sum(step.values()) <= 3
+        seen |= set(step)
+    assert seen == {late.request_id, *(s.request_id for s in sim.sched.running
+                                       if s.params.priority == 0 and s is not late)}
+
+
+@pytest.mark.parametrize("aged", [False, True])
+def test_background_admission_gets_turns_beside_background_decodes(aged):
+    """A less urgent waiting request takes part in the round-robin, so the running ones'
+    decodes cannot spend every allowance; aged, it sorts before a new urgent request, which
+    therefore waits for it: a few steps, not until the background finishes."""
+    sim, bg = decoding_sim(6, lower=2)
+    sim.sched.configure("priority", 2.0, 0, 2, 0.0)
+    fg = sim.add([0, 1], max_tokens=200, priority=-1)
+    steps(sim, 2)
+    late = sim.add([1, 2, 0, 1], max_tokens=2, age=10.0 if aged else 0.0)
+    urgent = sim.add([2, 2], max_tokens=2, priority=-1) if aged else fg
+    assert sim.sched.waiting.head() is late
+    for _ in range(len(bg) + 2):
+        steps(sim, 1)
+    assert late.first_scheduled_time is not None and urgent.first_scheduled_time is not None
+    assert all(not s.is_finished for s in bg)  # long before the background finished
+
+
+def test_hold_keeps_steps_short_after_the_urgent_request_left():
+    sim, bg = decoding_sim(6, lower=2, hold=4.0)
+    fg = sim.add([0, 1], max_tokens=2, priority=-1)
+    while not fg.is_finished:
+        composition(sim)
+    left = sim.clock.now
+    while sim.clock.now - left < 4.0:  # the hold: still 2 background tokens a step
+        assert len(composition(sim)) == 2
+    assert len(composition(sim)) == 6  # then the whole batch again
+
+
+def test_protection_is_off_at_zero_and_under_fcfs():
+    for policy, lower in (("priority", 0), ("fcfs", 3)):
+        sim = psim(num_blocks=256, bs=4, max_seqs=16, budget=64, policy=policy, lower=lower)
+        for i in range(5):
+            sim.add([i % 3, 1], max_tokens=20)
+        steps(sim, 1)
+        sim.add([0, 1], max_tokens=20, priority=-1)
+        assert len(composition(sim)) == 6
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 8), st.integers(1, 5), st.lists(st.integers(1, 30), min_size=8,
+                                                       max_size=8), st.data())
+def test_background_progresses_under_endless_urgent_work(num_bg, lower, lengths, data):
+    """An urgent request is always live; every decoding background request still gets a
+    token within as many steps as there are background requests (each other one takes at
+    most one turn before it: round-robin, admissions included), and all of them finish
+    (none lost, no block leaked)."""
+    sim = psim(num_blocks=512, bs=2, max_seqs=12, budget=64, lower=lower, hold=2.0)
+    bg = [sim.add([i % 3, 1, 2][:1 + i % 3], max_tokens=lengths[i]) for i in range(num_bg)]
+    waits: dict[int, int] = {}
+    urgent = None
+    for _ in range(10 * sum(lengths)):
+        if urgent is None or urgent.is_finished:
+            prompt = data.draw(st.lists(st.integers(0, 2), min_size=1, max_size=9))
+            urgent = sim.add(prompt, data.draw(st.integers(1, 6)), priority=-1)
+        before = [s for s in sim.sched.running if s.params.priority == 0 and at_decode(s)]
+        batch = sim.sched.schedule()
+        served = {id(i.seq) for i in batch}
+        waits = {id(s): 0 if id(s) in served else waits.get(id(s), 0) + 1 for s in before}
+        for s in before:
+            assert waits[id(s)] < num_bg, f"{s.request_id} waited {waits[id(s)]} steps"
+        sim.clock.now += 1
+        sim.run_model(batch)
+        sim.check()
+        if all(s.is_finished for s in bg):
+            break
+    assert all(s.is_finished and s.num_output_tokens == s.params.max_tokens for s in bg)
+    sim.sched.finish(urgent, "abort")
+    assert sim.bm.num_free_blocks == sim.bm.num_blocks
+
+
+def test_engine_config_protection_defaults_and_bad_values():
+    assert (EngineConfig().priority_lower_tokens, EngineConfig().priority_hold_s) == (0, 5.0)
+    cfg = EngineConfig(priority_lower_tokens=8)
+    sched = scheduler_for(BlockManager(8, 4, False), cfg, None)
+    assert (sched.priority_lower_tokens, sched.priority_hold_s) == (
+        cfg.priority_lower_tokens, cfg.priority_hold_s)
+    for field, value in (("priority_lower_tokens", -1), ("priority_lower_tokens", 1.5),
+                         ("priority_hold_s", -2.0), ("priority_hold_s", True)):
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(**{field: value})
+
+
 # -- the prefill cap while decoding ---------------------------------------------------------
 
 @pytest.mark.parametrize("policy", ["priority", "fcfs"])
@@ -531,9 +713,11 @@ def test_cli_flags_reach_the_config():
             cfg.max_prefill_tokens_while_decoding) == ("priority", 60.0, 32)
     cfg = engine_config_from_args(p.parse_args(
         ["--scheduling-policy", "fcfs", "--priority-aging-s", "2.5",
-         "--max-prefill-tokens-while-decoding", "0"]))
+         "--max-prefill-tokens-while-decoding", "0", "--priority-lower-tokens", "7",
+         "--priority-hold-s", "1.5"]))
     assert (cfg.scheduling_policy, cfg.priority_aging_s,
             cfg.max_prefill_tokens_while_decoding) == ("fcfs", 2.5, 0)
+    assert (cfg.priority_lower_tokens, cfg.priority_hold_s) == (7, 1.5)
     with pytest.raises(SystemExit):
         p.parse_args(["--scheduling-policy", "lifo"])
 
@@ -547,14 +731,17 @@ sim_configs = st.tuples(
     st.integers(1, 5),  # max_num_seqs
     st.sampled_from([1, 2, 3, 5, 8, 64]),  # max_num_batched_tokens
     st.sampled_from([0, 1, 3, 8]),  # max_prefill_tokens_while_decoding
+    st.sampled_from([0, 1, 2, 5]),  # priority_lower_tokens
+    st.sampled_from([0.0, 3.0]),  # priority_hold_s
 )
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sim_configs, st.floats(0.0, 5.0), st.data())
 def test_equal_priorities_schedule_exactly_as_fcfs(config, aging, data):
-    num_blocks, bs, caching, max_seqs, budget, cap = config
-    sims = [psim(num_blocks, bs, caching, max_seqs, budget, 3, policy, aging, cap)
+    """Protected steps too: they need two priorities."""
+    num_blocks, bs, caching, max_seqs, budget, cap, lower, hold = config
+    sims = [psim(num_blocks, bs, caching, max_seqs, budget, 3, policy, aging, cap, lower, hold)
             for policy in ("fcfs", "priority")]
     capacity = num_blocks * bs
     arrivals = data.draw(st.lists(
@@ -590,8 +777,9 @@ class PriorityMachine(RuleBasedStateMachine):
     @initialize(config=sim_configs, policy=st.sampled_from(["priority", "fcfs"]),
                 aging=st.sampled_from([0.0, 0.0, 2.0]))
     def setup(self, config, policy, aging):
-        num_blocks, bs, caching, max_seqs, budget, cap = config
-        self.sim = psim(num_blocks, bs, caching, max_seqs, budget, 3, policy, aging, cap)
+        num_blocks, bs, caching, max_seqs, budget, cap, lower, hold = config
+        self.sim = psim(num_blocks, bs, caching, max_seqs, budget, 3, policy, aging, cap,
+                        lower, hold)
         self.aborted = False
 
     @rule(prompt=st.lists(st.integers(0, 2), min_size=1, max_size=20),
@@ -615,12 +803,13 @@ class PriorityMachine(RuleBasedStateMachine):
         self.aborted = True
 
     @rule(policy=st.sampled_from(["priority", "fcfs"]), aging=st.sampled_from([0.0, 3.0]),
-          cap=st.sampled_from([0, 2, 5]))
-    def reconfigure_in_place(self, policy, aging, cap):
+          cap=st.sampled_from([0, 2, 5]), lower=st.sampled_from([0, 1, 4]),
+          hold=st.sampled_from([0.0, 2.0]))
+    def reconfigure_in_place(self, policy, aging, cap, lower, hold):
         sched = self.sim.sched
         live = {id(s) for s in self.sim.live()}
         blocks = {id(s): list(s.block_table) for s in sched.running}
-        sched.configure(policy, aging, cap)
+        sched.configure(policy, aging, cap, lower, hold)
         assert {id(s) for s in (*sched.running, *sched.waiting)} == live
         assert {id(s): list(s.block_table) for s in sched.running} == blocks
 
