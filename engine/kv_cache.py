@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvscope.engine import kv_memory
 from kvscope.engine.kv_anchors import AnchorTable
 from kvscope.engine.model import LayerKV, ModelShape
 from kvscope.kernels.k_balance import KBalanceLayer
@@ -21,6 +22,17 @@ def kv_bytes_per_token(shape: ModelShape, dtype: torch.dtype) -> int:
 
 def num_blocks_for_budget(budget_bytes: int, block_size: int, bytes_per_token: int) -> int:
     return budget_bytes // (block_size * bytes_per_token)
+
+
+def pool_bytes(shape: ModelShape, num_blocks: int, block_size: int, dtype: torch.dtype,
+               anchor_tokens: int = 0) -> int:
+    """What KVPool.allocate(shape, num_blocks, block_size, dtype, ...) takes: the pool (scale
+    caches included) and, for 1-byte dtypes, its anchor table."""
+    total = num_blocks * block_size * kv_bytes_per_token(shape, dtype)
+    if is_quantized(dtype) and anchor_tokens > 0:
+        total += (2 * shape.num_layers * AnchorTable(anchor_tokens).num_entries * anchor_tokens
+                  * shape.num_kv_heads * shape.head_dim * 4)  # float32 k and v
+    return total
 
 
 @dataclass
@@ -55,7 +67,7 @@ class KVPool:
             raise ValueError("a 'calibrated' pool needs its K balance, and only it takes one")
         dims = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
         def zeros(size: tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
-            return torch.zeros(size, dtype=dt, device=device)
+            return kv_memory.zeros(size, dt, device)  # memory a rebuild gives back (kv_memory)
 
         caches = [(zeros(dims, dtype), zeros(dims, dtype)) for _ in range(shape.num_layers)]
         scales = None
