@@ -12,6 +12,13 @@ token that differs from the float32-KV continuation, the number a user feels), p
 agreement (share of positions whose token equals the reference's, which forgives a detour that
 comes back), mean KL divergence of next-token distributions along the float32 continuation
 (teacher-forced), and perplexity on resources/perplexity_text.txt.
+
+Long context (benchmarks/kv_long.py, docs/kv-dtypes.md), each dtype with its default rotation
+and anchors and with none, against float32 KV: `--task passkey` (Landmark Attention's passkey
+over lengths x depths: right answer, same as float32, KL over the answer, rank of the right
+first token), `--task document` (continuing resources/long_document.txt from deep inside it),
+`--trace TRACE` / `--prompts FILE` (the user's own prompts, by length). `--quick`: 2 lengths x
+3 depths. The last long run is saved under the user's data folder, where the window reads it.
 """
 from __future__ import annotations
 
@@ -38,6 +45,7 @@ DTYPES = ["float32", "bfloat16", "float16", "int8", "fp8"]
 ROTATIONS = ["calibrated", "hadamard", "none"]
 ONE_BYTE = ("int8", "fp8")
 ANCHORS = [4, 0]
+TASKS = ["chat", "passkey", "document", "prompts"]
 log = progress_logger("kv-accuracy")
 
 
@@ -46,26 +54,91 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("kv-accuracy", help="accuracy of each KV dtype against float32 KV",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default")
-    p.add_argument("--dtypes", nargs="+", default=DTYPES, choices=DTYPES)
+    p.add_argument("--task", choices=TASKS, default=None,
+                   help="chat (the default), passkey, document; --trace/--prompts alone: "
+                        "the user's prompts")
+    p.add_argument("--dtypes", nargs="+", default=None, choices=DTYPES,
+                   help=f"default: {' '.join(DTYPES)} (chat), float32 bfloat16 int8 fp8 (long)")
     p.add_argument("--rotations", nargs="+", default=ROTATIONS, choices=ROTATIONS,
                    help="K/V rotations to compare on int8/fp8 (wider dtypes run unrotated)")
     p.add_argument("--anchor-tokens", nargs="+", type=int, default=ANCHORS,
                    help="anchor-token counts to compare on int8/fp8 (0 = none)")
-    p.add_argument("--prompts", type=Path, default=PROMPTS_FILE,
-                   help="a file of chat prompts, one a line")
+    p.add_argument("--prompts", type=Path, default=None,
+                   help="a file of chat prompts, one a line (default for --task chat: "
+                        "resources/kv_accuracy_prompts.txt)")
     p.add_argument("--num-prompts", type=int, default=None, help="only the first N prompts")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--text-tokens", type=int, default=512, help="perplexity text length cap")
     p.add_argument("--block-size", type=int, default=16)
-    add_json_flag(p, "one JSON object keyed by row (dtype, or dtype+rotation)")
+    add_long_options(p)
+    add_json_flag(p, "one JSON object keyed by row (dtype, or dtype+rotation); long tasks: "
+                     "the grid")
     return p
+
+
+def add_long_options(p: argparse.ArgumentParser) -> None:
+    from kvscope.benchmarks import passkey_grid
+
+    g = p.add_argument_group("long context (--task passkey|document, --trace, --prompts)")
+    g.add_argument("--trace", type=Path, default=None,
+                   help="a recorded session (kvscope or Mooncake-style trace): its prompts")
+    g.add_argument("--lengths", nargs="+", type=int, default=None,
+                   help="context lengths in tokens (passkey: 1024 2048 4096 8192, capped at "
+                        "max_model_len; document: 1024 2048 4096 and the whole text)")
+    g.add_argument("--depths", nargs="+", type=_depth, default=None,
+                   help="where the key sits, percent (default 0 25 50 75 100)")
+    g.add_argument("--document-tokens", type=int, default=None,
+                   help="--task document: read only the document's first N tokens")
+    g.add_argument("--seeds", type=int, default=passkey_grid.SEEDS,
+                   help="keys per cell, each seeded")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--quick", action="store_true",
+                   help=f"lengths {passkey_grid.QUICK_LENGTHS}, depths 0 50 100")
+    g.add_argument("--kv-cache-mib", type=int, default=2048,
+                   help="KV pool size (enough to keep a grid's shared filler cached)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    g.add_argument("--save", type=Path, default=None,
+                   help="where to save the run (default: the data folder's last-TASK.json)")
+    g.add_argument("--no-save", action="store_true")
+
+
+def _depth(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"depth {text} is not a percentage from 0 to 100")
+    return value / 100
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The options of `kv-accuracy` parsed from argv (the command's own, without its name)."""
     parser = argparse.ArgumentParser(prog="kvscope")
     add_parser(parser.add_subparsers(dest="command", required=True))
-    return parser.parse_args(["kv-accuracy", *argv])
+    return resolve_task(parser.parse_args(["kv-accuracy", *argv]))
+
+
+def resolve_task(args: argparse.Namespace) -> argparse.Namespace:
+    """The task and its defaults: --trace or --prompts without --task means the user's
+    prompts; the chat table is the default otherwise."""
+    from kvscope.benchmarks import passkey_grid
+    from kvscope.benchmarks.kv_long import DOCUMENT_LENGTHS
+
+    if args.task is None:
+        args.task = "prompts" if args.trace is not None or args.prompts is not None else "chat"
+    if args.task == "chat" and args.prompts is None:
+        args.prompts = PROMPTS_FILE
+    if args.task == "chat" and args.dtypes is None:
+        args.dtypes = DTYPES
+    if args.task == "passkey":
+        quick = args.quick
+        args.lengths = args.lengths or (passkey_grid.QUICK_LENGTHS if quick
+                                        else passkey_grid.LENGTHS)
+        args.depths = args.depths or (passkey_grid.QUICK_DEPTHS if quick
+                                      else passkey_grid.DEPTHS)
+    if args.task == "document":
+        args.lengths = args.lengths or DOCUMENT_LENGTHS
+    if args.seeds < 1:
+        raise SystemExit("kvscope kv-accuracy: --seeds must be at least 1")
+    return args
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -173,7 +246,27 @@ def format_table(results: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """`kvscope kv-accuracy`: measure every row, print the table or the JSON object."""
+    args = resolve_task(args)  # the launcher parses without it
+    if args.task != "chat":
+        return run_long_task(args)
     print_result(measure_rows(args), format_table, args.json)
+    return 0
+
+
+def run_long_task(args: argparse.Namespace) -> int:
+    """A long task: the grid printed (or its JSON), and saved for the window."""
+    from kvscope.benchmarks import saved_results
+    from kvscope.benchmarks.kv_long import run_long
+    from kvscope.benchmarks.kv_long_table import format_long
+
+    path = args.save or saved_results.last_run_path(args.task)
+    # Each setting as it ends: a run cut short still leaves what it measured (marked partial).
+    keep = None if args.no_save else (lambda partial: saved_results.save(partial, path))
+    result = run_long(args, on_partial=keep)
+    if not args.no_save:
+        saved_results.save(result, path)
+        log(f"saved to {path}")
+    print_result(result, format_long, args.json)
     return 0
 
 

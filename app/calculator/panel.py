@@ -23,6 +23,7 @@ from PySide6.QtWidgets import (
 from kvscope.app.calculator import accuracy, kv_math
 from kvscope.app.calculator.what_fits import WhatFitsBox
 from kvscope.app.fmt import human_bytes
+from kvscope.app.kv_grid.panel import KVGridBox
 
 RUNNING = "Running engine"
 EMBEDDED = "SmolLM2-135M (embedded)"
@@ -104,6 +105,8 @@ class KVCalculatorPanel(QWidget):
         inner.setObjectName("kvCalculatorContents")
         column = QVBoxLayout(inner)
         column.addWidget(model_box)
+        self.kv_grid = KVGridBox()  # the measured long-context grid per KV dtype
+        column.addWidget(self.kv_grid)
         column.addWidget(self.fits)
         column.addWidget(cmp_box)
         column.addStretch(1)
@@ -211,6 +214,7 @@ class KVCalculatorPanel(QWidget):
         self.window_info.setText(kv_math.window_note(shape, ctx))
         self.window_info.setVisible(bool(self.window_info.text()))
         self.accuracy.setText(self.accuracy_note(dtype))
+        self.kv_grid.highlight(dtype)
         if self.engine_bytes_per_token:
             self.engine_note.setText(f"the running engine reports "
                                      f"{self.engine_bytes_per_token:,} B per token "

@@ -1,0 +1,1 @@
+"""The measured long-context grid (passkey per KV dtype) where the KV dtype is chosen."""
