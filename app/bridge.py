@@ -348,3 +348,122 @@ class EngineBridge(QObject):
         self.detach()
         self._thread.quit()
         self._thread.wait(10_000)
+
+
+class ChatRuns:
+    """Chats with a polled source, each on its own Python thread. The threads only append
+    Deltas and failures here; SourceBridge.drain hands them to the views on the GUI thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.deltas: list = []
+        self.failures: list[tuple[str, str]] = []
+        self.aborted: set[str] = set()
+        self.threads: list[threading.Thread] = []
+
+    def start(self, source, request_id: str, messages: list, sampling: dict) -> None:
+        thread = threading.Thread(target=self._run, args=(source, request_id, messages,
+                                                          sampling),
+                                  name=f"kvscope-chat-{request_id}", daemon=True)
+        self.threads = [t for t in self.threads if t.is_alive()] + [thread]
+        thread.start()
+
+    def _run(self, source, request_id: str, messages: list, sampling: dict) -> None:
+        from kvscope.ipc.messages import Delta
+
+        n = 0
+        try:
+            for piece in source.stream_chat(list(messages), dict(sampling)):
+                if request_id in self.aborted:
+                    break
+                n += 1
+                with self._lock:
+                    self.deltas.append(Delta(request_id=request_id, token_ids=[], text=piece,
+                                             num_output_tokens=n))
+            reason = "abort" if request_id in self.aborted else "stop"
+            with self._lock:
+                self.deltas.append(Delta(request_id=request_id, token_ids=[], text="",
+                                         finished=True, finish_reason=reason,
+                                         num_output_tokens=n))
+        except Exception as exc:  # noqa: BLE001 - a ChatError or a broken stream: shown
+            with self._lock:
+                self.failures.append((request_id, _message(exc)))
+
+    def take(self) -> tuple[list, list[tuple[str, str]]]:
+        with self._lock:
+            deltas, self.deltas = self.deltas, []
+            failures, self.failures = self.failures, []
+        return deltas, failures
+
+    def join(self, timeout: float) -> None:
+        for t in self.threads:
+            t.join(timeout)
+
+
+class SourceBridge(QObject):
+    """The GUI's handle on a polled source (app.sources.source.PolledSource: vLLM,
+    llama-server). Its worker threads post into the source's mailbox; a QTimer here takes the
+    newest state on the GUI thread and emits it, so no thread but the GUI's touches Qt."""
+
+    updated = Signal(object)  # app.sources.source.SourceUpdate
+    deltasReceived = Signal(list)  # ipc.messages.Delta of chats sent through the source
+    submitFailed = Signal(str, str)
+    engineDied = Signal(str)
+    engineRevived = Signal()
+
+    def __init__(self, source, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.source = source
+        self.chats = ChatRuns()
+        self._dead: bool | None = None  # None: not heard from yet
+        self._started = False
+        self._timer = QTimer(self)
+        self._timer.setInterval(DRAIN_INTERVAL_MS)
+        self._timer.timeout.connect(self.drain)
+
+    @property
+    def dead(self) -> bool:
+        return bool(self._dead)
+
+    def start(self) -> None:
+        if not self._started:
+            self._started = True
+            self.source.start()
+        self._timer.start()
+
+    def set_drain_interval(self, ms: int) -> None:
+        if ms != self._timer.interval():
+            self._timer.setInterval(ms)
+
+    def submit(self, request_id: str, prompt, sampling: dict) -> None:
+        if self._dead:
+            self.submitFailed.emit(request_id, f"{self.source.kind} is unreachable")
+            return
+        self.chats.start(self.source, request_id, prompt, sampling)
+
+    def abort(self, request_id: str) -> None:
+        self.chats.aborted.add(request_id)
+
+    def stream_counts(self):
+        return self.source.counts()
+
+    def drain(self) -> None:
+        update = self.source.take()
+        self.updated.emit(update)
+        deltas, failures = self.chats.take()
+        if deltas:
+            self.deltasReceived.emit(deltas)
+        for request_id, message in failures:
+            self.submitFailed.emit(request_id, message)
+        if update.error and self._dead is not True:
+            self._dead = True
+            self.engineDied.emit(update.error)
+        elif update.scraped_ok and not update.error and self._dead is not False:
+            was_dead, self._dead = self._dead, False
+            if was_dead:
+                self.engineRevived.emit()
+
+    def close(self) -> None:
+        self._timer.stop()
+        self.source.stop()
+        self.chats.join(2)

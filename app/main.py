@@ -10,6 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from kvscope.app.sources.source import KINDS
 from kvscope.app.vllm.launch import add_vllm_options
 
 ENGINE_OPTIONS = {  # option -> takes a value (passed through to the engine child)
@@ -18,9 +19,25 @@ ENGINE_OPTIONS = {  # option -> takes a value (passed through to the engine chil
     "--max-num-seqs": True, "--max-num-batched-tokens": True, "--max-model-len": True,
     "--no-prefix-caching": False, "--seed": True, "--state-hz": True, "--metrics-port": True,
     "--http-port": True, "--scheduling-policy": True, "--priority-aging-s": True,
-    "--max-prefill-tokens-while-decoding": True,
+    "--max-prefill-tokens-while-decoding": True, "--priority-lower-tokens": True,
+    "--priority-hold-s": True,
 }
 STYLE = Path(__file__).resolve().parent.parent / "resources" / "style.qss"
+
+
+class AttachAction(argparse.Action):
+    """--attach URL: the first in `attach` (a str, as it always was), any more in
+    `attach_more` (one tab per engine)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if getattr(namespace, "attach", None) is None:
+            namespace.attach = values
+        else:
+            namespace.attach_more = [*(getattr(namespace, "attach_more", None) or []), values]
+
+
+def all_attached(args) -> list[str]:
+    return ([args.attach] if args.attach else []) + list(getattr(args, "attach_more", None) or [])
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -30,8 +47,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         description="kvscope desktop app: chat with a local model and watch its paged KV "
                     "cache, batch and memory live. `kvscope` alone, or with these options "
                     "only (`kvscope --attach URL`), runs it too.")
-    p.add_argument("--attach", metavar="tcp://HOST:PORT",
-                   help="attach to a running `kvscope serve` instead of starting an engine")
+    p.add_argument("--attach", metavar="URL", action=AttachAction,
+                   help="watch a running engine instead of starting one: tcp://HOST:PORT is "
+                        "`kvscope serve`; http(s)://HOST:PORT is asked what it is (vLLM or "
+                        "llama.cpp's llama-server). Repeat it to watch several (one tab each)")
+    p.add_argument("--engine", choices=KINDS,
+                   help="with --attach http(s)://...: the engine there (skips the probe)")
     p.add_argument("--attach-state", metavar="ENDPOINT",
                    help="its state endpoint (default: the command port + 1)")
     p.add_argument("--keys", metavar="DIR",
@@ -71,6 +92,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="priority (default): the chat's requests (-1) go before others (0)")
     g.add_argument("--priority-aging-s", type=float, metavar="S")
     g.add_argument("--max-prefill-tokens-while-decoding", type=int, metavar="N")
+    g.add_argument("--priority-lower-tokens", type=int, metavar="N")
+    g.add_argument("--priority-hold-s", type=float, metavar="S")
     g.add_argument("--metrics-port", type=int, metavar="P",
                    help="the engine serves Prometheus metrics on 127.0.0.1:P/metrics")
     g.add_argument("--http-port", type=int, metavar="P",
@@ -130,20 +153,54 @@ def start_demo(window) -> None:
         window.block_map.select_request(rid)
 
 
-def attach_keys(args):
+def attach_keys(args, endpoint: str | None = None):
     """The CURVE keys to attach with (None: plain text); KeyFileError says what is missing."""
-    if not args.attach:
+    endpoint = endpoint or kvscope_endpoint(args)
+    if not endpoint:
         return None
     from kvscope.ipc.keys import client_keys_for
 
     curve = True if args.auth == "curve" else (False if args.insecure else None)
-    return client_keys_for(args.attach, args.keys, curve)
+    return client_keys_for(endpoint, args.keys, curve)
+
+
+def kvscope_endpoint(args) -> str | None:
+    """The one tcp:// --attach when that is all there is to watch (today's kvscope path)."""
+    attach = all_attached(args)
+    return attach[0] if len(attach) == 1 and not args.attach_vllm \
+        and attach[0].startswith("tcp://") else None
+
+
+def targets(args) -> list[tuple[str, str]]:
+    """(kind, url) of every engine to watch: --attach (probed unless --engine says),
+    --attach-vllm (an alias of --attach URL --engine vllm). ProbeError says what failed."""
+    from kvscope.app.sources.probe import ProbeError, probe
+
+    out = []
+    for url in all_attached(args):
+        if url.startswith("tcp://"):
+            if args.engine not in (None, "kvscope"):
+                raise ProbeError(f"--engine {args.engine} needs an http(s):// URL, not {url}")
+            out.append(("kvscope", url))
+        elif args.engine == "kvscope":
+            raise ProbeError(f"--engine kvscope attaches over ZeroMQ: give tcp://HOST:PORT, "
+                             f"not {url}")
+        else:
+            out.append((args.engine or probe(url), url))
+    if args.attach_vllm:
+        out.append(("vllm", args.attach_vllm))
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
+    watched = None  # several engines, or one that is not kvscope's: app.launch_sources
     try:
         keys = attach_keys(args)
-    except ValueError as exc:  # ipc.keys.KeyFileError names the missing or unsafe file
+        if args.attach_vllm and not args.attach_vllm.startswith(("http://", "https://")):
+            raise ValueError(f"--attach-vllm {args.attach_vllm!r} is not an http(s):// URL")
+        if (args.attach or args.attach_vllm) and kvscope_endpoint(args) is None:
+            watched = targets(args)
+    except ValueError as exc:  # KeyFileError names the missing file; ProbeError the URL
         print(f"kvscope: error: {exc}", file=sys.stderr)
         return 2
     from kvscope.app.preflight import preflight_exit_code
@@ -162,17 +219,17 @@ def run(args: argparse.Namespace) -> int:
     if STYLE.is_file():
         app.setStyleSheet(STYLE.read_text())
     GuiThreadCollector(app)  # worker threads must never free a Qt object
-    if args.attach_vllm:
-        from kvscope.app.vllm.launch import run as run_vllm_window
+    if watched is not None:
+        from kvscope.app.launch_sources import run_watched
 
-        return run_vllm_window(args, app)
+        return run_watched(args, app, watched, lambda url: attach_keys(args, url))
     settings = None
     if args.screenshot:  # the default layout, and the user's saved one stays untouched
         from PySide6.QtCore import QSettings
 
         scratch = tempfile.mkdtemp(prefix="kvscope-shot-")
         settings = QSettings(f"{scratch}/settings.ini", QSettings.Format.IniFormat)
-    window = MainWindow(engine_args=engine_args(args), attach=args.attach,
+    window = MainWindow(engine_args=engine_args(args), attach=kvscope_endpoint(args),
                         attach_state=args.attach_state, settings=settings, attach_keys=keys)
     if args.screenshot:  # exactly this size: a screenshot may be larger than the screen
         window.resize(*(args.size or SCREENSHOT_SIZE))

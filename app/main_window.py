@@ -20,6 +20,7 @@ from kvscope.app.device.panel import DevicePanel
 from kvscope.app.engine_process import EngineProcess
 from kvscope.app.frame_clock import FrameClock, FrameJobs
 from kvscope.app.plots.batch_plots import BatchPlots
+from kvscope.app.sources.kvscope_source import KvscopeSource
 from kvscope.app.status_bar import EngineStatusBar
 from kvscope.app.traces.panel import TracePanel, engine_args_from
 from kvscope.ipc.messages import EngineSettings, HelloResult
@@ -97,7 +98,9 @@ class MainWindow(QMainWindow):
         self.attach_keys = attach_keys  # ipc.keys.ClientKeys, or None for plain text
         self.hello: HelloResult | None = None
         self.closed = False
-        self.bridge = EngineBridge(self, heartbeat_timeout=heartbeat_timeout)
+        # kvscope's own engine as a source: the ZeroMQ bridge, every capability
+        self.source = KvscopeSource(attach, self, heartbeat_timeout=heartbeat_timeout)
+        self.bridge: EngineBridge = self.source.bridge
         self.base_engine_args = app_settings.with_http_port(engine_args or [], self.settings)
         self.engine = None if attach else EngineProcess(list(self.base_engine_args), self)
         self.applied: EngineSettings | None = None  # the last ReconfigureResult's settings

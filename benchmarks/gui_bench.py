@@ -1,6 +1,7 @@
 """What the desktop app costs: GUI time per frame, and engine throughput with a window attached.
 
     python -m kvscope.benchmarks.gui_bench [--json] [--skip-engine | --skip-frames] [serve options]
+    python -m kvscope.benchmarks.gui_bench --source vllm|llama-server [--url URL] [--seconds S]
 
 (a) GUI main-thread time per frame: a MainWindow (offscreen unless a display is set; --size,
     default 1600x900, every panel visible) fed synthetic engine state (kvscope/testing/frames.py
@@ -19,6 +20,9 @@
     ipc.EngineClient from this process, run alternately with no window and with a real
     window process (`kvscope --attach CMD --attach-state STATE`, offscreen, from this checkout
     or --window-repo, e.g. an older commit's, to compare) whose CPU share is read with psutil.
+(c) --source vllm|llama-server: the window's CPU while it watches that engine under load
+    (benchmarks/gui_source_load.py): a window process on a fake with the engine's real payloads
+    and synthetic load, or on a real server (--url) with concurrent chats through its API.
 
 Options not listed below go to `engine.cli.serve` (--device, --num-kv-blocks, ...).
 """
@@ -281,7 +285,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window-repo", type=Path, default=REPO,
                    help="(b): run the window from this checkout (default: this one), e.g. "
                         "an older commit's worktree, to compare windows on one engine")
+    p.add_argument("--source", choices=("kvscope", "vllm", "llama-server"), default="kvscope",
+                   help="the engine the window watches: kvscope runs (a) and (b); vllm and "
+                        "llama-server run (c): the window's CPU while it watches one "
+                        "(benchmarks/gui_source_load.py)")
+    p.add_argument("--url", help="(c): a running server to watch (default: this checkout's "
+                                 "fake of that engine, under synthetic load)")
+    p.add_argument("--seconds", type=float, default=20.0, help="(c): how long to measure")
+    p.add_argument("--load", type=int, default=4,
+                   help="(c) with --url: concurrent streaming chats through its OpenAI API")
+    p.add_argument("--events-hz", type=float, default=200.0,
+                   help="(c) on the vLLM fake: KV-event batches per second")
     args, serve_args = p.parse_known_args(argv)
+    if args.source != "kvscope":
+        from kvscope.benchmarks.gui_source_load import format_source, source_cost
+
+        result = source_cost(args.source, args.url, args.seconds, args.load, args.events_hz,
+                             args.max_tokens)
+        print_result(result, format_source, args.json, indent=2)
+        return 0
     if "--model" not in serve_args:
         serve_args = ["--model", "default", *serve_args]
     w, _, h = args.size.partition("x")

@@ -58,6 +58,7 @@ class BatchPlots(QWidget):
         self.layout_widget = pg.GraphicsLayoutWidget()
         self.layout_widget.setBackground("#16181d")
         self.plots: dict[str, pg.PlotItem] = {}
+        self.not_reported: dict[str, str] = {}  # plot key -> why it stays empty
         self.curves: dict[str, pg.PlotDataItem] = {}
         specs = [("batch", "batch tokens / step", ["prefill", "decode", "budget"]),
                  ("queues", "requests", ["running", "waiting", "preempted"]),
@@ -145,10 +146,16 @@ class BatchPlots(QWidget):
         text = (f"gen {frame.generation_tokens_per_s:,.0f} tok/s · prompt "
                 f"{frame.prompt_tokens_per_s:,.0f} tok/s · TTFT p50/p90 {_ms(frame.ttft_s.p50)}/"
                 f"{_ms(frame.ttft_s.p90)} · ITL p50/p90 {_ms(frame.itl_s.p50)}/"
-                f"{_ms(frame.itl_s.p90)} · KV {100 * frame.kv_usage:.0f} %")
+                f"{_ms(frame.itl_s.p90)} · KV {_pct(frame.kv_usage)}")
         if text != self.summary.text():
             self.summary.setText(text)
             self.summary.setToolTip(text)  # the label clips in a narrow window
+
+    def mark_not_reported(self, key: str, text: str) -> None:
+        """A plot whose data the source lacks says so in its title (never drawn as zero)."""
+        plot = self.plots[key]
+        plot.setTitle(text, size="8pt", color="#c8a050")
+        self.not_reported[key] = text
 
     # -- view -----------------------------------------------------------------------------------
     def set_window(self, name: str) -> None:
@@ -247,6 +254,10 @@ def _legend_title(title: str, names: list[str]) -> str:
     """A plot's title with its curves' names in their colours (the legend, off the data)."""
     return title + " &nbsp; " + " ".join(f"<span style='color:{PEN[n]}'>━ {n}</span>"
                                          for n in names)
+
+
+def _pct(x: float | None) -> str:
+    return "not reported" if x is None else f"{100 * x:.0f} %"  # a source without it: never 0
 
 
 def _ms(x: float | None) -> str:

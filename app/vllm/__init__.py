@@ -1,1 +1,2 @@
-"""The window over a vLLM server (`kvscope --attach-vllm URL`): /metrics, KV events, chat."""
+"""vLLM's formats for its source (app.sources.vllm_source): /metrics text, samples between two
+scrapes, the prefix cache from KV events, the OpenAI chat client, frames for the plots."""

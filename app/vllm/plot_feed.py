@@ -48,7 +48,7 @@ class StatsFrame:
     generation_tokens_per_s: float
     ttft_s: Pct
     itl_s: Pct
-    kv_usage: float
+    kv_usage: float | None  # None: the server does not report it
 
 
 @dataclass
@@ -68,5 +68,5 @@ class PlotFeed:
         kv = None if s.kv_usage is None else KvFrame(s.time, s.kv_usage * 1000)
         stats = StatsFrame(s.time, s.prompt_tokens_per_s or 0.0, s.generation_tokens_per_s or 0.0,
                            Pct(s.ttft_p50_s, s.ttft_p90_s), Pct(s.itl_p50_s, s.itl_p90_s),
-                           s.kv_usage or 0.0)
+                           s.kv_usage)
         return step, kv, stats

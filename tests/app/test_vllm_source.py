@@ -8,11 +8,11 @@ import time
 import msgspec
 import pytest
 
+from kvscope.app.sources.vllm_source import VllmSource, VllmTarget
 from kvscope.app.vllm import prometheus_text
 from kvscope.app.vllm.openai_chat import OpenAIChat, OpenAIError
 from kvscope.app.vllm.prefix_cache import PrefixCache
 from kvscope.app.vllm.server_sample import quantile, sample
-from kvscope.app.vllm.source import VllmSource, VllmTarget
 from kvscope.ipc import vllm_kv_events as v
 from tests.app.fake_vllm import METRICS, REPLY, SCRIPT, FakeKvEvents, FakeVllmHttp, h
 

@@ -88,7 +88,7 @@ def test_metrics_carry_vllms_prefix(client, server):
 
 def test_the_vllm_window_source_reads_kvscope_itself(server, client):
     """`kvscope --attach-vllm` pointed at kvscope serve --metrics-prefix vllm --kv-events."""
-    from kvscope.app.vllm.source import VllmSource, VllmTarget
+    from kvscope.app.sources.vllm_source import VllmSource, VllmTarget
 
     hello = client.hello(timeout=60)
     url, block_size = hello.metrics_url.removesuffix("/metrics"), hello.config.block_size

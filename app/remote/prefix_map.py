@@ -1,6 +1,7 @@
-"""The prefix cache of a vLLM server as a grid: one cell per cached block (by content hash, in
-the order they entered the cache), coloured by chain, darker the deeper in its chain. Cells past
-them, up to the pool size from /metrics, are blocks the events say nothing about."""
+"""The prefix cache of a vLLM server (a CacheSnapshot) as a grid: one cell per cached block (by
+content hash, in the order they entered the cache), coloured by chain, darker the deeper in its
+chain. Cells past them, up to the pool size from /metrics, are blocks the events say nothing
+about."""
 from __future__ import annotations
 
 import math
@@ -11,7 +12,6 @@ from PySide6.QtGui import QColor, QImage, QPainter
 from PySide6.QtWidgets import QSizePolicy, QWidget
 
 from kvscope.app import colors
-from kvscope.app.vllm.prefix_cache import CacheSnapshot
 
 # Chains in golden-ratio hues, so neighbours in the list differ clearly.
 PALETTE = np.array([QColor.fromHsvF((0.13 + 0.618034 * i) % 1.0, 0.65, 0.95).getRgb()[:3]
@@ -24,7 +24,7 @@ MAX_CELLS = 1 << 18  # a bigger pool is drawn at its first MAX_CELLS blocks
 MIN_CELLS = 64
 
 
-def cell_colors(snapshot: CacheSnapshot, capacity: int | None) -> np.ndarray:
+def cell_colors(snapshot, capacity: int | None) -> np.ndarray:
     """[cells, 3] uint8: cached blocks first, then blocks the events say nothing about, up to
     the pool's size but no more than four times the cached ones (so a few cached blocks in a
     huge pool stay visible; the text gives the pool size)."""
@@ -51,7 +51,7 @@ class PrefixMapView(QWidget):
         self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Expanding)
         self.image: QImage | None = None
 
-    def show_cache(self, snapshot: CacheSnapshot, capacity: int | None) -> None:
+    def show_cache(self, snapshot, capacity: int | None) -> None:
         rgb = cell_colors(snapshot, capacity)
         cols = grid_columns(len(rgb))
         rows = max(1, -(-len(rgb) // cols))
@@ -70,3 +70,18 @@ class PrefixMapView(QWidget):
             scaled = self.image.size().scaled(self.size(), Qt.AspectRatioMode.KeepAspectRatio)
             painter.drawImage(QRectF(0, 0, scaled.width(), scaled.height()), self.image)
         painter.end()
+
+
+def describe_cache(c, capacity: int | None, events) -> str:
+    of = f" of {capacity} in the pool" if capacity else ""
+    parts = [(f"{c.num_blocks} blocks cached{of} ({c.num_tokens} tokens) in {c.num_chains} "
+              f"chains, longest {c.longest_chain}"),
+             f"stored {c.stored_total}, removed {c.removed_total}, cleared {c.cleared_total}×"]
+    if c.unknown_removed:
+        parts.append(f"{c.unknown_removed} removals of blocks stored before kvscope attached")
+    if events is not None:
+        parts.append(f"{events.received} batches ({events.replayed} replayed, "
+                     f"{events.missed} lost, {events.bad} bad)")
+    if c.mediums:
+        parts.append("medium " + "/".join(c.mediums))
+    return " · ".join(parts)

@@ -1,0 +1,1 @@
+"""The engines the window watches, behind one interface (source.py): kvscope, vLLM, llama-server."""
