@@ -12,6 +12,7 @@ from PySide6.QtWidgets import QLabel, QPushButton, QSizePolicy, QStatusBar, QWid
 
 from kvscope.app.elided_label import ElidedLabel
 from kvscope.app.fmt import human_bytes
+from kvscope.app.spec_text import engine_spec_text
 from kvscope.ipc.messages import EngineStats, HelloResult, StatsFrame
 
 DEAD_AFTER_S = 3.0
@@ -130,7 +131,8 @@ class EngineStatusBar(QStatusBar):
             f"{human_bytes(e.kv_cache_bytes)} KV · up {stats.uptime_s:.0f} s")
         http = stats.server.http_in_flight
         self.blocks_label.setText(f"blocks {e.num_free_blocks} free / {e.num_kv_blocks} total"
-                                  + (f" · {http} via HTTP" if http else ""))
+                                  + (f" · {http} via HTTP" if http else "")
+                                  + engine_spec_text(e))
         self.show_preemptions(getattr(stats, "preemptions_by_reason", None) or {},
                               getattr(stats, "recomputed_tokens", 0))
         self.show_notice(stats.config)

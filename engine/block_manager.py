@@ -194,6 +194,21 @@ class BlockManager:
             i -= 1
         return released
 
+    def truncate(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """Release seq's blocks past its first num_blocks (rejected speculative slots);
+        returns the released block ids, latest first."""
+        released: list[int] = []
+        table = seq.block_table
+        while len(table) > num_blocks:
+            block_id = table.pop()
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                self._release(block)
+            released.append(block_id)
+        return released
+
     def reset_prefix_cache(self) -> None:
         for block_id in list(self.cached_free):
             self._forget(self.blocks[block_id])

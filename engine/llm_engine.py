@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
+from kvscope.engine import kv_memory
 from kvscope.engine.block_manager import BlockManager
 from kvscope.engine.config import (
     EngineConfig,
@@ -21,7 +22,12 @@ from kvscope.engine.config import (
     resolve_kv_rotation,
 )
 from kvscope.engine.detokenizer import Decoder, decode_delta, decode_rest
-from kvscope.engine.kv_cache import KVPool, kv_bytes_per_token, num_blocks_for_budget
+from kvscope.engine.kv_cache import (
+    KVPool,
+    kv_bytes_per_token,
+    num_blocks_for_budget,
+    pool_bytes,
+)
 from kvscope.engine.kv_calibration import calibrate_k_balance
 from kvscope.engine.loader import LoadedModel, load_model
 from kvscope.engine.model import PagedLlama
@@ -37,6 +43,7 @@ from kvscope.engine.scheduler import (
     scheduler_for,
 )
 from kvscope.engine.sequence import Sequence
+from kvscope.engine.spec_decode import SPEC_SETTINGS, SpecDecoder
 from kvscope.engine.weight_formats import resolve_weights
 from kvscope.ipc.messages import EngineStats
 from kvscope.kernels.k_balance import KBalanceLayer
@@ -51,7 +58,9 @@ def kv_dtype_name(dtype: torch.dtype) -> str:
 RECONFIGURABLE = frozenset({"block_size", "kv_dtype", "kv_rotation", "kv_anchor_tokens",
                             "kv_cache_bytes", "num_kv_blocks", "max_num_seqs",
                             "max_num_batched_tokens", "enable_prefix_caching",
-                            *SCHEDULING_SETTINGS})
+                            *SCHEDULING_SETTINGS, *SPEC_SETTINGS})
+# Applied in place: the pool, its prefix cache and the queues stay.
+IN_PLACE_SETTINGS = SCHEDULING_SETTINGS | SPEC_SETTINGS
 
 
 class StepRecorder(Protocol):
@@ -104,6 +113,7 @@ class LLMEngine:
         # The model's calibrated K balance (kernels/k_balance.py), per layer: computed the
         # first time a pool wants it, then kept across reconfigures. None: not computed yet.
         self._k_balance_layers: list[KBalanceLayer] | None = None
+        self.spec = SpecDecoder(config)  # speculative decoding (engine.spec_decode)
         self._build_pool(previous=None)
 
     # -- pool ------------------------------------------------------------------------------
@@ -116,11 +126,10 @@ class LLMEngine:
         cfg, shape = self.config, self.model.shape
         self.kv_dtype = self._kv_torch_dtype(cfg)
         self.kv_rotation = resolve_kv_rotation(cfg.kv_rotation, kv_dtype_name(self.kv_dtype))
-        if previous is not None:  # let the old pool go (the runner holds it too) first
-            del self.runner, self.pool
+        if previous is not None:
+            self._release_pool()
         per_token = kv_bytes_per_token(shape, self.kv_dtype)
-        num_blocks = cfg.num_kv_blocks or num_blocks_for_budget(
-            cfg.kv_cache_bytes, cfg.block_size, per_token)
+        num_blocks = self._pool_blocks(cfg)
         if num_blocks < 1:
             raise ValueError(f"EngineConfig.kv_cache_bytes={cfg.kv_cache_bytes} is invalid: "
                              f"one block of {cfg.block_size} tokens needs "
@@ -131,6 +140,19 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = scheduler_for(self.block_manager, cfg, previous)
         self.runner = ModelRunner(self.model, self.pool)
+
+    def _release_pool(self) -> None:
+        """Let the old pool go (the runner holds it too) and hand its memory back before the
+        new one is built, so a rebuild never holds two pools (engine.kv_memory). Absent
+        already when a rebuild failed and the old settings are being restored."""
+        for name in ("runner", "pool"):
+            self.__dict__.pop(name, None)
+        kv_memory.release_freed(self.device)
+
+    def _pool_blocks(self, config: EngineConfig) -> int:
+        per_token = kv_bytes_per_token(self.model.shape, self._kv_torch_dtype(config))
+        return config.num_kv_blocks or num_blocks_for_budget(
+            config.kv_cache_bytes, config.block_size, per_token)
 
     def _k_balance(self, rotation: str) -> list[KBalanceLayer] | None:
         """The model's calibrated K balance when the pool wants it: computed on first use
@@ -157,22 +179,28 @@ class LLMEngine:
             raise ValueError(f"cannot reconfigure {sorted(unknown)} at run time: "
                              f"allowed are {sorted(RECONFIGURABLE)}")
         new = replace(self.config, **changes)  # validates
-        if changes and set(changes) <= SCHEDULING_SETTINGS:  # the pool and queues stay as they are
+        if changes and set(changes) <= IN_PLACE_SETTINGS:  # the pool and queues stay as they are
             self.config = new
             self.scheduler.configure_from(new)
+            self.spec.configure(new)
             if self.trace is not None:
                 self.trace.on_reconfigure(self, [])
             return new
         live = list(self.scheduler.running) + list(self.scheduler.waiting)
         self._check_pool_holds(new, live)
+        self._check_memory_holds(new)
         old, previous = self.config, self.scheduler
         self.config = new
         try:
             self._build_pool(previous)
-        except Exception:
+        except Exception as exc:
             self.config = old
             self._build_pool(previous)
+            if isinstance(exc, (MemoryError, RuntimeError)):  # torch's OutOfMemoryError too
+                raise ValueError(f"the new KV pool could not be allocated ({exc}); the old "
+                                 f"one is back") from exc
             raise
+        self.spec.configure(new)
         if self.trace is not None:
             self.trace.on_reconfigure(self, live)
         for seq in live:
@@ -181,13 +209,24 @@ class LLMEngine:
         return new
 
     def _check_pool_holds(self, config: EngineConfig, live: list[Sequence]) -> None:
-        per_token = kv_bytes_per_token(self.model.shape, self._kv_torch_dtype(config))
-        blocks = config.num_kv_blocks or num_blocks_for_budget(
-            config.kv_cache_bytes, config.block_size, per_token)
+        blocks = self._pool_blocks(config)
         longest = max((s.num_tokens for s in live), default=0)
         if blocks * config.block_size < max(longest + 1, config.block_size):
             raise ValueError(f"the new KV pool ({blocks} blocks of {config.block_size}) cannot "
                              f"hold a running request of {longest} tokens; keeping the old one")
+
+    def _check_memory_holds(self, config: EngineConfig) -> None:
+        """Refuse, before the old pool goes, a new one the device has no room for. The old
+        pool is freed first, so its bytes count as room: there is never a two-pool peak."""
+        need = pool_bytes(self.model.shape, self._pool_blocks(config), config.block_size,
+                          self._kv_torch_dtype(config), config.kv_anchor_tokens)
+        old = self.pool.nbytes + self.pool.anchor_nbytes
+        room = kv_memory.available_bytes(self.device) + old
+        if need > room:
+            mib = 2**20
+            raise ValueError(f"the new KV pool needs {need / mib:.0f} MiB but only "
+                             f"{room / mib:.0f} MiB are free on {self.device} (the old pool's "
+                             f"{old / mib:.0f} MiB included); keeping the old one")
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -279,12 +318,26 @@ class LLMEngine:
                   for s in self._drain_capacity_finishes()]
         if not batch:
             return StepResult(deltas, [])
-        logits = self.runner.run(batch)
+        drafted = self._draft(batch)
+        try:
+            logits = self.runner.run(batch, drafted)
+        except BaseException:
+            self.spec.abandon(batch, self.block_manager)
+            raise
         sampling = self._advance(batch)
-        if sampling:
+        if drafted:
+            deltas += self.spec.verify(self, logits, sampling)
+        elif sampling:
             deltas += self._append_tokens(sampling, sample(logits, sampling))
+        self.spec.end_step(sum(len(d.token_ids) for d in deltas))
         self.num_steps += 1
         return StepResult(deltas, batch)
+
+    def _draft(self, batch: list[ScheduledSeq]) -> bool:
+        """Speculative drafts for the step's decodes (engine.spec_decode); True if any."""
+        anchors = self.pool.anchor_table
+        return self.spec.draft(batch, self.block_manager, self.config.max_num_batched_tokens,
+                               self.max_model_len, anchors.num_tokens if anchors else 0)
 
     def _free_behind_window(self) -> None:
         """Before scheduling, so the step can already allocate the blocks this releases."""
@@ -396,4 +449,5 @@ class LLMEngine:
             num_generated_tokens=self.num_generated_tokens,
             prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits,
             max_model_len=self.max_model_len, device=self.device,
-            dtype=str(self.dtype).removeprefix("torch."), weights=self.weights)
+            dtype=str(self.dtype).removeprefix("torch."), weights=self.weights,
+            **self.spec.stats_fields())

@@ -10,6 +10,7 @@ import torch
 from kvscope.engine.kv_cache import KVPool
 from kvscope.engine.model import PagedLlama
 from kvscope.engine.scheduler import ScheduledSeq
+from kvscope.engine.spec_decode import logit_rows
 from kvscope.kernels import native
 from kvscope.kernels.attention_ref import AttentionMetadata, DecodeGroup, group_decode_rows
 
@@ -21,9 +22,12 @@ class ModelRunner:
         self.device = model.device
         self.on_host = torch.device(self.device).type == "cpu"
 
-    def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        """Logits [S, vocab] for the sequences whose chunk reaches their last known token."""
+    def run(self, batch: list[ScheduledSeq], drafted: bool = False) -> torch.Tensor:
+        """Logits [S, vocab] for the sequences whose chunk reaches their last known token;
+        `drafted`: and at every drafted position (engine.spec_decode.logit_rows)."""
         input_ids, positions, meta, last_rows = self.prepare(batch)
+        if drafted:
+            last_rows = logit_rows(batch, meta.query_start_loc)
         hidden = self.forward(input_ids, positions, meta)
         if not last_rows:
             return hidden.new_empty((0, self.model.shape.vocab_size))

@@ -25,6 +25,8 @@ class SamplingParams:
     ignore_eos: bool = False
     # Lower is sooner, as vLLM's; counts only under scheduling_policy="priority".
     priority: int = 0
+    # False: this request never takes drafted tokens (EngineConfig.speculative_method).
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -51,6 +53,8 @@ class SamplingParams:
         if not _is_int(self.priority) or not PRIORITY_MIN <= self.priority <= PRIORITY_MAX:
             _fail("priority", self.priority,
                   f"an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}] (lower = sooner)")
+        if not isinstance(self.speculative, bool):
+            _fail("speculative", self.speculative, "True or False")
 
     @property
     def greedy(self) -> bool:

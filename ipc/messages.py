@@ -37,8 +37,10 @@ class _Command(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, kw_
     id: CallId
 
 
-class Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Mirrors engine.SamplingParams; the engine validates the values."""
+class Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """Mirrors engine.SamplingParams; the engine validates the values. Defaults are not sent
+    (omit_defaults), so a field added later (speculative) reaches an older engine, which
+    forbids unknown fields, only when a client sets it."""
     max_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
@@ -48,6 +50,7 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     priority: int = 0  # lower = sooner (vLLM's convention)
+    speculative: bool = True  # False: never speculate for this request (issue 31)
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
@@ -126,6 +129,10 @@ class Delta(msgspec.Struct, kw_only=True):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # speculative decoding, this request so far (issue 31): verifies that carried a draft
+    # and drafted tokens accepted; mean acceptance length = 1 + accepted / drafts
+    num_drafts: int = 0
+    num_accepted_tokens: int = 0
 
 
 class Deltas(msgspec.Struct, tag_field="type", tag="deltas"):
@@ -161,6 +168,13 @@ class EngineSettings(msgspec.Struct, kw_only=True):
     scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (lower Sampling.priority sooner)
     priority_aging_s: float = 0.0  # effective priority -1 per this many s waited; 0 = off
     max_prefill_tokens_while_decoding: int = 0  # per-step prefill cap while decoding; 0 = off
+    priority_lower_tokens: int = 0  # less urgent tokens per protected step; 0 = off
+    priority_hold_s: float = 0.0  # protected steps go on this long after the urgent ones left
+    # Added with issue 31 (speculative decoding; an older engine sends none: off).
+    speculative_method: str = "off"  # "off" or "ngram" (prompt lookup)
+    num_speculative_tokens: int = 4  # K drafted tokens per verify
+    prompt_lookup_min: int = 2  # shortest suffix n-gram looked up
+    prompt_lookup_max: int = 4  # longest
 
 
 class EngineStats(msgspec.Struct, kw_only=True):
@@ -194,6 +208,18 @@ class EngineStats(msgspec.Struct, kw_only=True):
     device: str  # "cpu", "cuda", "cuda:1"
     dtype: str  # the model's: "float32", "bfloat16", ...
     weights: str  # matmul weights: "dense", "int4", "int8"
+    # speculative decoding, cumulative (issue 31; defaults: an older engine sends none)
+    spec_method: str = "off"  # "off" or "ngram" in force
+    spec_num_drafts: int = 0  # verifies that carried a draft
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []  # accepted drafts by position in the draft
+
+    @property
+    def spec_mean_acceptance_length(self) -> float:
+        """Tokens per verify (1 + accepted per draft, vLLM's measure); 0.0 before any."""
+        d = self.spec_num_drafts
+        return 1.0 + self.spec_num_accepted_tokens / d if d else 0.0
 
 
 class KVEventCounters(msgspec.Struct, kw_only=True):
@@ -377,6 +403,9 @@ class BlocksFrame(msgspec.Struct, kw_only=True):
     # Preemptions since the previous blocks frame (the engine steps more often than it
     # publishes; a bounded backlog, oldest first).
     preemptions: list[PreemptionEvent] = []
+    # Blocks that held speculative draft slots rolled back since the previous frame (issue
+    # 31; the map marks them briefly).
+    rolled_back_blocks: list[int] = []
 
     def array(self, name: str) -> npt.NDArray[Any]:
         import numpy as np

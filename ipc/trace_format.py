@@ -92,6 +92,8 @@ class Step(_Line, tag="step"):
     kv_tokens: int
     running: int
     waiting: int
+    # [request id, drafted tokens, accepted ones] per speculative verify (issue 31)
+    spec: list[tuple[str, int, int]] = []
 
 
 class Alloc(_Line, tag="alloc"):

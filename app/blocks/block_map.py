@@ -47,6 +47,7 @@ from kvscope.app.blocks.block_grid import (
     source_note,
 )
 from kvscope.app.blocks.block_table import HOLDER_HEADERS, LIVE, BlockTableModel
+from kvscope.app.blocks.draft_flash import with_draft_marks
 from kvscope.app.blocks.flash import REASON_RGB, PreemptionFlash
 from kvscope.app.blocks.history import (
     CACHED,
@@ -78,7 +79,7 @@ class BlockMap(QWidget):
                  clock=time.monotonic) -> None:
         super().__init__(parent)
         self.frame = None
-        self.flash = PreemptionFlash(clock)
+        self.flash = with_draft_marks(PreemptionFlash(clock), clock)  # issue 31
         self.selected: str | None = None
         self.selected_block = -1  # a cached block shown on its own, -1: none
         self.history = RequestHistory()

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from kvscope.app.fmt import rate, seconds
 from kvscope.app.request_waits import WAIT_TEXT, request_wait
+from kvscope.app.spec_text import acceptance_text
 
 SENDING, QUEUED, PREFILL, DECODING, PREEMPTED = "sending", "queued", "prefill", "decoding", \
     "preempted"
@@ -35,6 +36,8 @@ class Turn:
     block_size: int = 0
     priority: int = 0  # as submitted (lower = sooner)
     wait_reason: str = ""  # from the blocks frame: why it waits now ("" not waiting)
+    num_drafts: int = 0  # speculative verifies that carried a draft (issue 31)
+    num_accepted: int = 0  # drafted tokens accepted
 
     @property
     def done(self) -> bool:
@@ -47,6 +50,8 @@ class Turn:
         self.num_prompt = d.num_prompt_tokens or self.num_prompt
         self.num_cached = d.num_cached_tokens
         self.num_preemptions = d.num_preemptions
+        self.num_drafts = getattr(d, "num_drafts", 0)  # not sent by an older engine
+        self.num_accepted = getattr(d, "num_accepted_tokens", 0)
         self.queued_s = d.queued_s if d.queued_s is not None else self.queued_s
         self.ttft_s = d.ttft_s if d.ttft_s is not None else self.ttft_s
         if d.token_ids and self.first_token_at is None:
@@ -128,5 +133,7 @@ class Turn:
             parts.append(f"{self.num_preemptions} preemptions")
         if self.priority:
             parts.append(f"priority {self.priority}")
+        if self.num_drafts:
+            parts.append(acceptance_text(self.num_drafts, self.num_accepted))
         parts.append(f"stop: {self.finish_reason or self.error or '?'}")
         return " · ".join(parts)

@@ -18,6 +18,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from kvscope.app.controls.spec_control import KEYS as SPEC_KEYS
+from kvscope.app.controls.spec_control import SpecControl
+from kvscope.app.kv_grid.panel import KVGridBox
 from kvscope.ipc.messages import EngineSettings
 
 BLOCK_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -30,7 +33,7 @@ SCHEDULING_POLICIES = ["fcfs", "priority"]
 KEYS = ("block_size", "kv_dtype", "kv_rotation", "kv_anchor_tokens", "kv_cache_bytes",
         "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "scheduling_policy")
 # Changing only these leaves the KV pool as it is (no rebuild, nothing preempted).
-NO_REBUILD = ("scheduling_policy",)
+NO_REBUILD = ("scheduling_policy", *SPEC_KEYS)
 SCHEDULING_TIP = (
     "fcfs: requests are scheduled in arrival order; when the KV pool runs dry the newest "
     "running request is preempted. priority: by each request's priority (lower = sooner, "
@@ -63,6 +66,8 @@ class ControlsPanel(QWidget):
         self.rotation_note.setObjectName("note")
         self.rotation_note.setWordWrap(True)
         self.kv_dtype.currentTextChanged.connect(lambda _t: self._show_rotation_note())
+        self.kv_grid = KVGridBox()  # the measured long-context grid per KV dtype
+        self.kv_dtype.currentTextChanged.connect(self.kv_grid.highlight)
         self.kv_rotation.currentTextChanged.connect(lambda _t: self._show_rotation_note())
         self.kv_anchors = QSpinBox()
         self.kv_anchors.setRange(0, MAX_ANCHOR_TOKENS)
@@ -97,6 +102,8 @@ class ControlsPanel(QWidget):
         form.addRow("max batched tokens", self.max_batched)
         form.addRow("", self.prefix_caching)
         form.addRow("scheduling", self.scheduling)
+        self.spec = SpecControl()
+        form.addRow("speculative", self.spec)
         self.apply_button = QPushButton("Apply")
         self.apply_button.setObjectName("applyButton")
         self.apply_button.clicked.connect(self.apply)
@@ -121,6 +128,7 @@ class ControlsPanel(QWidget):
         layout.addWidget(self.rotation_note)
         layout.addWidget(self.progress)
         layout.addWidget(self.result)
+        layout.addWidget(self.kv_grid)
         layout.addStretch(1)
         self._show_rotation_note()
         self.show_unknown()
@@ -156,6 +164,7 @@ class ControlsPanel(QWidget):
                   self.max_batched, self.prefix_caching, self.scheduling, self.apply_button,
                   self.revert_button):
             w.setEnabled(enabled and not self.busy)
+        self.spec.set_enabled(enabled and not self.busy)
 
     def values(self) -> dict:
         return {"block_size": int(self.block_size.currentText()),
@@ -166,7 +175,7 @@ class ControlsPanel(QWidget):
                 "max_num_seqs": self.max_seqs.value(),
                 "max_num_batched_tokens": self.max_batched.value(),
                 "enable_prefix_caching": self.prefix_caching.isChecked(),
-                "scheduling_policy": self.scheduling.currentText()}
+                "scheduling_policy": self.scheduling.currentText(), **self.spec.values()}
 
     def changes(self) -> dict:
         """What differs from the configuration in force (everything, before there is one)."""
@@ -216,6 +225,7 @@ class ControlsPanel(QWidget):
         self.prefix_caching.setChecked(config.enable_prefix_caching)
         # An engine older than issue 26 sends none: EngineSettings' default "fcfs" is right.
         self.scheduling.setCurrentText(config.scheduling_policy)
+        self.spec.show_config(config)
         fixed = config.num_kv_blocks
         self.budget_note.setText(f"the pool is fixed at {fixed} blocks (--num-kv-blocks): "
                                  "the budget is ignored" if fixed else "")

@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import argparse
+import json
+from typing import Any
 
 from kvscope.engine.config import (
     DEFAULT_KV_ANCHOR_TOKENS,
     DEFAULT_KV_CACHE_BYTES,
     DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING,
     DEFAULT_PRIORITY_AGING_S,
+    DEFAULT_PRIORITY_HOLD_S,
+    DEFAULT_PRIORITY_LOWER_TOKENS,
     KV_DTYPES,
     KV_ROTATIONS,
     MODEL_DTYPES,
@@ -57,6 +61,19 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="at most this many prefill tokens in a step while decodes run (at "
                         "least one block's worth), so a long prompt does not stall every "
                         "stream's next token; 0 = no cap")
+    g.add_argument("--priority-lower-tokens", type=int, default=DEFAULT_PRIORITY_LOWER_TOKENS,
+                   help="priority: while a more urgent request is live (or left less than "
+                        "--priority-hold-s ago), a step carries at most this many tokens of "
+                        "less urgent work, round-robin, so the urgent one's steps stay short; "
+                        "0 = off (default; docs/scheduling.md has the trade-off)")
+    g.add_argument("--priority-hold-s", type=float, default=DEFAULT_PRIORITY_HOLD_S,
+                   help="keep those short steps this long after the urgent requests left, so "
+                        "a chat's next turn starts within one of them; 0 = no hold")
+    g.add_argument("--speculative-config", type=parse_speculative_config, default={},
+                   metavar="JSON",
+                   help='speculative decoding from the context, as vLLM\'s: \'{"method": '
+                        '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                        '"prompt_lookup_min": 2}\'; off by default (docs/speculative.md)')
 
 
 def parse_bytes(text: str) -> int:
@@ -65,6 +82,27 @@ def parse_bytes(text: str) -> int:
     if text and text[-1] in units:
         return int(float(text[:-1]) * units[text[-1]])
     return int(text)
+
+
+SPECULATIVE_KEYS = {"method": "speculative_method",
+                    "num_speculative_tokens": "num_speculative_tokens",
+                    "prompt_lookup_min": "prompt_lookup_min",
+                    "prompt_lookup_max": "prompt_lookup_max"}
+
+
+def parse_speculative_config(text: str) -> dict[str, Any]:
+    """vLLM's --speculative-config JSON -> EngineConfig field values (validated there)."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"--speculative-config is not JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise argparse.ArgumentTypeError("--speculative-config must be a JSON object")
+    unknown = sorted(set(raw) - set(SPECULATIVE_KEYS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"--speculative-config: unknown keys {unknown}; "
+                                         f"allowed are {sorted(SPECULATIVE_KEYS)}")
+    return {SPECULATIVE_KEYS[k]: v for k, v in raw.items()}
 
 
 def engine_config_from_args(args) -> EngineConfig:
@@ -77,4 +115,14 @@ def engine_config_from_args(args) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
         scheduling_policy=args.scheduling_policy, priority_aging_s=args.priority_aging_s,
-        max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding)
+        max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
+        priority_lower_tokens=args.priority_lower_tokens, priority_hold_s=args.priority_hold_s,
+        **_speculative(args))
+
+
+def _speculative(args) -> dict[str, Any]:
+    """The --speculative-config fields; a config naming no method means "ngram"."""
+    spec = dict(getattr(args, "speculative_config", None) or {})
+    if spec:
+        spec.setdefault("speculative_method", "ngram")
+    return spec

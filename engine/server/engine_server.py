@@ -236,7 +236,8 @@ class EngineServer:
             ttft_s=None if seq.first_token_time is None
             else seq.first_token_time - seq.arrival_time,
             num_output_tokens=seq.num_output_tokens, num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=seq.num_cached_tokens, num_preemptions=seq.num_preemptions)
+            num_cached_tokens=seq.num_cached_tokens, num_preemptions=seq.num_preemptions,
+            **self.engine.spec.delta_fields(seq))
 
     def _forget(self, rid: str, reason: str, seq=None) -> None:
         """rid ended (finished, aborted, its client gone): drop what the server kept on it."""

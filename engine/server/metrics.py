@@ -30,6 +30,7 @@ from kvscope.engine.server.metrics_priority import (
     labelled_waiting,
     priority_families,
 )
+from kvscope.engine.server.metrics_spec import spec_families
 from kvscope.ipc import messages as m
 
 PREFIX = "kvscope:"
@@ -223,6 +224,7 @@ class _StateCollector(Collector):
         out = list(engine_families(state.stats, labels))
         counts = state.scheduler or SchedulerCounts({"memory": state.stats.num_preemptions})
         out.extend(priority_families(PREFIX, counts, state.waiting_by_priority, labels))
+        out.extend(spec_families(PREFIX, state.stats, labels))
         if state.kv_totals is not None:
             out.extend(kv_families(state.kv_totals, state.stats, labels))
         if state.device is not None:

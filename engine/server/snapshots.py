@@ -49,7 +49,8 @@ class StepLog:
         request had streamed before this step, which tells a decode (one token after its own
         last one) from prefill or recompute work."""
         items = [m.ScheduledItem(s.seq.request_id, s.num_tokens,
-                                 s.num_tokens == 1 and streamed.get(s.seq.request_id, 0) > 0)
+                                 s.num_tokens - s.num_draft_tokens == 1  # drafts verify a decode
+                                 and streamed.get(s.seq.request_id, 0) > 0)
                  for s in scheduled]
         decode = sum(1 for i in items if i.is_decode)
         now = time.time()
@@ -129,7 +130,14 @@ def blocks_frame(engine, seq: int, sources: dict[str, str] | None = None,
         num_computed_tokens=[s.num_computed_tokens for s in live],
         request_sources=dict(sources or {}),
         **_request_waits(live), preemptions=list(preemptions or ()),
+        rolled_back_blocks=_rolled_back(engine),
         **_totals(engine, flags, filled))
+
+
+def _rolled_back(engine) -> list[int]:
+    """Blocks with draft slots rolled back since the last frame (engine.spec_decode)."""
+    spec = getattr(engine, "spec", None)
+    return spec.take_rolled_back() if spec is not None else []
 
 
 def _request_waits(live) -> dict[str, list]:

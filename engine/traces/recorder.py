@@ -131,7 +131,8 @@ def _step_line(engine: LLMEngine, result: StepResult, t: float, dur: float) -> S
                 budget=sched.max_num_batched_tokens, kv_used=bm.num_used_blocks,
                 kv_total=bm.num_blocks,
                 kv_tokens=sum(s.num_computed_tokens for s in sched.running),
-                running=len(sched.running), waiting=len(sched.waiting))
+                running=len(sched.running), waiting=len(sched.waiting),
+                spec=[(v.request_id, v.drafted, v.accepted) for v in engine.spec.last_step])
 
 
 def _block_lines(before: dict[str, _Held], t: float,

@@ -98,7 +98,8 @@ def test_the_widgets_show_the_settings_in_force_and_revert_to_them(qtbot):
     assert shown == {"block_size": 8, "kv_dtype": "fp8", "kv_rotation": "hadamard",
                      "kv_anchor_tokens": 2, "kv_cache_bytes": 96 * MIB, "max_num_seqs": 7,
                      "max_num_batched_tokens": 128, "enable_prefix_caching": False,
-                     "scheduling_policy": "priority"}
+                     "scheduling_policy": "priority", "speculative_method": "off",
+                     "num_speculative_tokens": 4}
     assert "fixed at 300 blocks" in panel.budget_note.text() and panel.changes() == {}
     panel.block_size.setCurrentText("32")
     panel.kv_anchors.setValue(4)

@@ -1,0 +1,239 @@
+"""Speculative decoding from the context (issue 31): tok/s with and without drafts, by load.
+
+    python -m kvscope.benchmarks.speculative [--concurrency 1,2,4,8,16] [--tokens 96]
+        [--workloads quote,code,chat] [--llama-bin DIR] [--json] [engine options]
+
+Workloads (greedy, chat template, `--tokens` out, EOS ignored so both sides do equal work):
+* quote: resources/spec_grounding.txt (~1.15k tokens) then "copy out paragraph N word for
+  word" (input-grounded: the reply repeats the context);
+* code: a short Python function, then an edit request (rename, add a check): the reply
+  repeats the code with small changes;
+* chat: open questions, nothing to copy (the case where drafts are rare and must cost
+  nothing).
+
+For every workload and concurrency c, c requests at once (a different instruction each, the
+same document, so the prefix cache holds the document after one warm-up request and the
+numbers time the decode, not a repeated 1k-token prefill), once on an engine with
+speculation off and once on one with `--speculative-config` (ngram, K=4, n 2..4 unless
+given) with its back-off on; tok/s = output tokens / wall seconds of the whole batch. The
+two engines share the weights and alternate, so drift on a shared machine hits both. Also
+reported: the mean acceptance length (1 + accepted / drafts), whether the greedy outputs
+agreed, and llama.cpp's single-stream decode tok/s (`llama-bench -p 0 -n T -d D` at the
+quote prompt's depth D, its default f16 KV, no speculation) when llama-bench is found.
+
+Targets: quote/code speedup >= 1.8x at c = 1; >= 0.97x at every c; quote c = 1 with drafts
+>= 1.5x llama.cpp.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from kvscope.benchmarks.llama_tools import (
+    bench_decode_command,
+    decode_rates,
+    find_tool,
+    parse_bench_json,
+    run_tool,
+)
+from kvscope.benchmarks.timing import add_json_flag, print_result, progress_logger
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+log = progress_logger("speculative")
+TEXT = Path(__file__).resolve().parent.parent / "resources" / "spec_grounding.txt"
+TARGETS = {"grounded_c1": 1.8, "any_c": 0.97, "vs_llama_cpp": 1.5}
+PARAGRAPHS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth",
+              "ninth", "tenth")
+CODE = '''def load_orders(path):
+    orders = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            fields = line.split(",")
+            order = {"id": int(fields[0]), "customer": fields[1],
+                     "amount": float(fields[2]), "currency": fields[3]}
+            orders.append(order)
+    return orders
+
+
+def total_by_customer(orders):
+    totals = {}
+    for order in orders:
+        key = order["customer"]
+        totals[key] = totals.get(key, 0.0) + order["amount"]
+    return totals
+'''
+CODE_EDITS = ("Rename the variable `orders` to `records` everywhere and show the whole code.",
+              "Rename `total_by_customer` to `sum_by_customer` and show the whole code.",
+              "Add type hints to both functions and show the whole code.",
+              "Make `load_orders` skip lines with fewer than four fields; show the whole code.",
+              "Rename `fields` to `parts` and show the whole code.",
+              "Rename `totals` to `sums` and show the whole code.",
+              "Add a docstring to each function and show the whole code.",
+              "Use `line.split(',', 3)` instead of `line.split(',')`; show the whole code.")
+CHAT = ("What are three good habits for learning a new language?",
+        "Explain why the sky is blue in simple words.",
+        "Give me a short plan for a rainy Sunday.",
+        "What is the difference between weather and climate?",
+        "Suggest a name for a small bakery and say why.",
+        "How do bees make honey?",
+        "Write two sentences about the moon.",
+        "Why do cats purr?")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from kvscope.engine.cli.options import add_engine_options
+
+    p = argparse.ArgumentParser(prog="python -m kvscope.benchmarks.speculative",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--concurrency", default="1,2,4,8,16")
+    p.add_argument("--tokens", type=int, default=96)
+    p.add_argument("--workloads", default="quote,code,chat")
+    p.add_argument("--llama-bin", help="folder holding llama-bench (else $LLAMA_BIN, PATH)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="llama-bench threads")
+    add_json_flag(p)
+    add_engine_options(p)
+    return p.parse_args(argv)
+
+
+def prompts_for(workload: str, n: int) -> list[list[dict[str, str]]]:
+    if workload == "quote":
+        text = TEXT.read_text()
+        return [[{"role": "user", "content": f"{text}\n\nCopy out the "
+                  f"{PARAGRAPHS[i % len(PARAGRAPHS)]} paragraph of the text above word for "
+                  "word."}] for i in range(n)]
+    if workload == "code":
+        return [[{"role": "user", "content": f"```python\n{CODE}```\n\n"
+                  f"{CODE_EDITS[i % len(CODE_EDITS)]}"}] for i in range(n)]
+    if workload == "chat":
+        return [[{"role": "user", "content": CHAT[i % len(CHAT)]}] for i in range(n)]
+    raise SystemExit(f"unknown workload {workload!r}: expected quote, code or chat")
+
+
+def run_batch(llm, prompts: list[list[int]], tokens: int) -> tuple[float, list[list[int]]]:
+    """Wall seconds for all prompts at once, and their outputs."""
+    from kvscope.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    return time.perf_counter() - t0, [o.token_ids for o in outs]
+
+
+def template(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def run(args: argparse.Namespace) -> dict:
+    import torch
+
+    from kvscope.engine import LLM
+    from kvscope.engine.cli.options import engine_config_from_args
+    from kvscope.engine.config import resolve_device, resolve_dtype
+    from kvscope.engine.loader import load_model
+
+    config = engine_config_from_args(args)
+    spec_config = config if config.speculative_method != "off" else \
+        replace(config, speculative_method="ngram")
+    plain_config = replace(config, speculative_method="off")
+    dtype = resolve_dtype(config.dtype, resolve_device(config.device))
+    loaded = load_model(config.model, dtype)
+    engines = {"off": LLM(plain_config, loaded), "on": LLM(spec_config, loaded)}
+    tok = loaded.tokenizer
+    torch.manual_seed(0)
+    results: dict = {"tokens": args.tokens, "workloads": {},
+                     "spec_config": {k: getattr(spec_config, k) for k in (
+                         "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")}}
+    levels = [int(c) for c in args.concurrency.split(",")]
+    for workload in args.workloads.split(","):
+        rows = []
+        for c in levels:
+            prompts = [template(tok, m) for m in prompts_for(workload, c)]
+            row: dict = {"concurrency": c}
+            outputs = {}
+            for mode, llm in engines.items():
+                run_batch(llm, prompts[:1], 2)  # warm-up: the document into the prefix cache
+                before = llm.engine.spec.counters
+                drafts, accepted = before.num_drafts, before.num_accepted_tokens
+                seconds, outputs[mode] = run_batch(llm, prompts, args.tokens)
+                row[f"tok_s_{mode}"] = c * args.tokens / seconds
+                if mode == "on":
+                    after = llm.engine.spec.counters
+                    d = after.num_drafts - drafts
+                    row["acceptance_length"] = 1 + (after.num_accepted_tokens - accepted) / d \
+                        if d else 0.0
+                    row["drafts"] = d
+            row["speedup"] = row["tok_s_on"] / row["tok_s_off"]
+            row["outputs_equal"] = sum(a == b for a, b in zip(outputs["off"], outputs["on"],
+                                                              strict=True)) / c
+            log(f"{workload} c={c}: {row['tok_s_off']:.1f} -> {row['tok_s_on']:.1f} tok/s "
+                f"({row['speedup']:.2f}x, acceptance length {row['acceptance_length']:.2f})")
+            rows.append(row)
+        results["workloads"][workload] = rows
+    results["backoff"] = {str(b): {"plain_tok_s": r.per_second} for b, r in
+                          engines["on"].engine.spec.backoff.plain.items()}
+    for b, r in engines["on"].engine.spec.backoff.spec.items():
+        results["backoff"].setdefault(str(b), {})["spec_tok_s"] = r.per_second
+    quote = [template(tok, m) for m in prompts_for("quote", 1)][0]
+    results["llama_cpp"] = llama_cpp(args, len(quote))
+    return results
+
+
+def llama_cpp(args: argparse.Namespace, depth: int) -> dict | None:
+    """llama-bench's decode tok/s at the quote prompt's depth, or None without llama-bench."""
+    from kvscope.engine.model_files import default_gguf_path
+
+    tool = find_tool("llama-bench", args.llama_bin)
+    if tool is None or args.model != "default":
+        return None
+    command = bench_decode_command(tool, str(default_gguf_path()), "f16", [depth], args.tokens,
+                                   args.threads, 2)
+    log(" ".join(command))
+    try:
+        rates = decode_rates(parse_bench_json(run_tool(command, 600)))
+    except RuntimeError as e:
+        log(f"llama-bench failed: {e}")
+        return None
+    return {"depth": depth, "tok_s": rates.get(depth), "command": " ".join(command)}
+
+
+def table(r: dict) -> str:
+    lines = [f"{r['tokens']} tokens out per request, greedy; speculation "
+             f"{r['spec_config']} with back-off",
+             f"{'workload':<8} {'c':>3} {'off tok/s':>10} {'on tok/s':>10} {'speedup':>8} "
+             f"{'accept len':>10} {'same out':>8}"]
+    for name, rows in r["workloads"].items():
+        for row in rows:
+            lines.append(f"{name:<8} {row['concurrency']:>3} {row['tok_s_off']:>10.1f} "
+                         f"{row['tok_s_on']:>10.1f} {row['speedup']:>7.2f}x "
+                         f"{row['acceptance_length']:>10.2f} {row['outputs_equal']:>8.0%}")
+    ll = r.get("llama_cpp")
+    if ll and ll.get("tok_s"):
+        quote = r["workloads"].get("quote")
+        mine = quote[0]["tok_s_on"] if quote and quote[0]["concurrency"] == 1 else None
+        vs = f" -> kvscope quote c=1 with drafts {mine / ll['tok_s']:.2f}x" if mine else ""
+        lines.append(f"llama.cpp single stream at depth {ll['depth']}: {ll['tok_s']:.1f} "
+                     f"tok/s{vs}")
+    else:
+        lines.append("llama.cpp: llama-bench not found (--llama-bin)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    print_result(run(args), table, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
