@@ -95,6 +95,10 @@ class SourceWindow(QMainWindow):
         self.device_panel = NotReported(source.missing("device memory") if not source.has(DEVICE)
                                         else "")
         self.chat = ChatPanel()
+        # A remote engine's chat goes in without a priority: the toggle would promise nothing.
+        self.chat.interactive.setEnabled(False)
+        self.chat.interactive.setToolTip(f"{kind}: the window's chat is sent without a "
+                                         "priority, as any other client's")
         self.controls = ReadOnlySettings(kind, source.settings_rows(), source.read_only_reason())
         self.traces = NotReported(source.missing("traces") + " — kvscope records and replays "
                                   "traces of its own engine" if not source.has(TRACES) else "")

@@ -76,7 +76,9 @@ def test_the_window_shows_a_llama_server(qtbot, fake, tmp_path):
         assert "4 slots × 4096 tokens" in window.header.text()
         assert window.status.state == "alive"
         assert window.status.engine_label.text() == f"llama-server at {fake.url}"
-        # The chat goes through its OpenAI API.
+        # The chat goes through its OpenAI API, with no priority to promise.
+        assert not window.chat.interactive.isEnabled()
+        assert "without a priority" in window.chat.interactive.toolTip()
         window.chat.input.setPlainText("what is a slot?")
         rid = window.chat.send()
         qtbot.waitUntil(lambda: window.chat.turns[rid].done, timeout=30_000)
