@@ -81,7 +81,7 @@ class Chooser:
         with self._lock:
             self._load()
             got = self.decisions.get(name)
-            if got is None or got.choice not in candidates:
+            if got is None or got.choice not in candidates or _measured_busy_now_quiet(got):
                 times = self.measure(candidates)
                 # the load average goes with the timings: a choice measured on a busy
                 # machine shows as such in `kvscope bench --kernels`
@@ -141,6 +141,19 @@ class Chooser:
         with self._lock:
             self._load()
             return sorted(self.decisions.values(), key=lambda d: d.name)
+
+
+def _busy(load: object) -> bool:
+    """A 1-minute load average above the CPU count: other work was taking the cores, so
+    timings taken then say more about that work than about the kernels."""
+    return isinstance(load, (int, float)) and load > (os.cpu_count() or 1)
+
+
+def _measured_busy_now_quiet(got: Decision) -> bool:
+    """A cached choice measured on a busy machine is measured again once it is quiet (only
+    then: on a machine that stays busy the old choice is as good as a new one)."""
+    return (got.source == "cached" and _busy(got.info.get("loadavg_1m"))
+            and not _busy(_loadavg()))
 
 
 def _loadavg() -> float | None:

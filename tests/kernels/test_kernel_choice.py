@@ -36,6 +36,7 @@ class FakeClock:
 @pytest.fixture
 def cache_file(tmp_path, monkeypatch):
     monkeypatch.setenv(kernel_cache.ENV, str(tmp_path))
+    monkeypatch.setattr(kernel_choice, "_loadavg", lambda: 0.5)   # a quiet machine
     kernel_choice.reset()
     yield kernel_cache.cache_path()
     kernel_choice.reset()
@@ -103,6 +104,24 @@ def test_a_decision_is_measured_once_and_survives_in_the_file(cache_file, caplog
     assert again.decisions["op"].source == "cached"
     saved = json.loads(cache_file.read_text())
     assert saved["key"] == KEY and saved["choices"]["op"]["choice"] == "b"
+
+
+def test_a_choice_measured_on_a_busy_machine_is_measured_again_once_it_is_quiet(
+        cache_file, monkeypatch):
+    clock = FakeClock()
+    a, b = clock.costs(0.003), clock.costs(0.001)
+    busy = float(kernel_choice.os.cpu_count() or 1) + 3
+    monkeypatch.setattr(kernel_choice, "_loadavg", lambda: busy)
+    assert Chooser(cache_file, KEY, clock).choose("op", {"a": a, "b": b}) == "b"
+    calls = len(a.calls)
+    still_busy = Chooser(cache_file, KEY, clock)  # busy again: the busy choice stands
+    assert still_busy.choose("op", {"a": a, "b": b}) == "b" and len(a.calls) == calls
+    monkeypatch.setattr(kernel_choice, "_loadavg", lambda: 0.5)
+    a2, b2 = clock.costs(0.001), clock.costs(0.003)   # the quiet truth: a is faster
+    quiet = Chooser(cache_file, KEY, clock)
+    assert quiet.choose("op", {"a": a2, "b": b2}) == "a"
+    assert quiet.decisions["op"].info["loadavg_1m"] == 0.5
+    assert json.loads(cache_file.read_text())["choices"]["op"]["choice"] == "a"
 
 
 def test_a_corrupt_file_is_ignored_with_its_reason_and_rewritten(cache_file, caplog):
