@@ -31,6 +31,7 @@ has the measurements and what the background loses).
 """
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from collections import Counter
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 from kvscope.engine.block_manager import BlockManager
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.preemption import REASONS, Preemption, blocks_needed, blocks_released
+from kvscope.engine.protected_steps import LowerAllowance, hand_out_turns
 from kvscope.engine.sequence import Sequence, SequenceStatus
 from kvscope.engine.waiting_queue import WaitingQueue
 
@@ -85,13 +87,12 @@ class Scheduler:
         self._live_priorities: Counter[int] = Counter()  # of every running or waiting one
         # Protected steps: the urgent priority of this step (None: not protecting) and what
         # is left of its allowance for less urgent work; the hold after more urgent requests
-        # left, (priority, when); the round-robin: the protected step (a count) in which each
-        # less urgent running request last had its turn.
+        # left, (priority, when); the round-robin: when each less urgent running request last
+        # had its turn (a stamp, rising with each turn handed out).
         self._urgent: int | None = None
-        self._lower_left = 0  # for the less urgent running requests
-        self._reserved = 0  # for the less urgent head of the waiting queue, when its turn
+        self._allowance = LowerAllowance()
         self._hold: tuple[int, float] | None = None
-        self._turns = 0
+        self._turn_stamps = itertools.count()
         self._last_turn: dict[Sequence, int] = {}
         self._order: dict[Sequence, int] = {}  # ties of arrival_time: the order of add()
         self._keys: dict[Sequence, tuple[float, ...]] = {}
@@ -171,13 +172,11 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         budget = self.max_num_batched_tokens
         urgent = self._urgent = self._urgent_priority()
-        self._lower_left, self._reserved = self.priority_lower_tokens, 0
-        prefill_left = self._prefill_allowance()
         # protected: the less urgent running requests whose turn it is (the rest skip)
-        turns = set() if urgent is None else self._lower_turns(urgent)
+        allowance = self._allowance = (LowerAllowance() if urgent is None
+                                       else self._hand_out_turns(urgent))
+        prefill_left = self._prefill_allowance()
         above = sys.maxsize if urgent is None else urgent  # less urgent: a priority above it
-        bm = self.block_manager
-        bs, caching = bm.block_size, bm.enable_prefix_caching
         running = SequenceStatus.RUNNING
         # priority: a waiting request that sorts before a running one goes before it.
         keys = self._keys
@@ -185,16 +184,13 @@ class Scheduler:
         if head is not None and self.running and head > keys[self.running[-1]]:
             head = None  # running is in key order: it sorts after all of them
         admitting = True
-        # Runs once per running sequence per step, so the block arithmetic is inline and the
-        # block manager is called only when the chunk needs a block or completes one (for a
-        # decode: once every block_size steps).
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not running:
                 continue  # preempted a moment ago to make room for an earlier request
             lower = seq.params.priority > above
-            if lower and (self._lower_left == 0 or seq not in turns):
+            if lower and seq not in allowance.promised:
                 continue  # holds its blocks; its turn comes in a later step
             if head is not None and head < keys[seq]:
                 budget, prefill_left, admitting = self._admit(scheduled, budget, prefill_left,
@@ -204,33 +200,26 @@ class Scheduler:
                     break
                 if seq.status is not running:
                     continue  # displaced by a request of higher priority
-            tokens = seq.token_ids
             start = seq.num_computed_tokens
-            num_tokens = len(tokens) - start
-            prefill = num_tokens > 1 or len(tokens) == len(seq.prompt_token_ids)
-            if prefill:
-                if prefill_left == 0:
-                    continue  # holds its blocks; its next chunk comes in a later step
+            num_tokens = len(seq.token_ids) - start
+            prefill = num_tokens > 1 or len(seq.token_ids) == len(seq.prompt_token_ids)
+            if prefill:  # 0 when prefill_left is: it holds its blocks for a later chunk
                 num_tokens = min(num_tokens, budget, prefill_left)
+            if lower:
+                num_tokens = min(num_tokens, allowance.for_running(seq))
+            placed = num_tokens > 0 and self._place(seq, start, num_tokens)
+            if self.preemptions_by_reason["memory"] != memory_before:
+                head = None  # the pool ran dry: no more admissions in this step
+            if not placed:
                 if lower:
-                    num_tokens = min(num_tokens, self._lower_left)
-            end = start + num_tokens
-            need = -(-end // bs) - len(seq.block_table)  # = bm.num_new_blocks when > 0
-            if need > 0:
-                made_room = self._make_room(seq, need)
-                if self.preemptions_by_reason["memory"] != memory_before:
-                    head = None  # the pool ran dry: no more admissions in this step
-                if not made_room:
-                    continue
-                bm.append_blocks(seq, need)
-            if caching and end // bs > start // bs:
-                bm.commit_full_blocks(seq, start, end)
+                    allowance.skip_running(seq)
+                continue
             scheduled.append(ScheduledSeq(seq, num_tokens))
             budget -= num_tokens
             if prefill:
                 prefill_left -= num_tokens
             if lower:
-                self._lower_left -= num_tokens
+                allowance.spend_running(seq, num_tokens)
         # Admitting new work right after the pool ran dry would only thrash it.
         if self.preemptions_by_reason["memory"] != memory_before:
             self._blocked = "memory"
@@ -238,6 +227,24 @@ class Scheduler:
             self._admit(scheduled, budget, prefill_left, before=None)
         self._mark_waiting()
         return scheduled
+
+    def _place(self, seq: Sequence, start: int, num_tokens: int) -> bool:
+        """Give running seq the blocks its next num_tokens need (preempting the last running
+        requests when the pool is dry); False when seq itself had to go. Runs once per
+        running sequence per step, so the block arithmetic is inline and the block manager is
+        called only when the chunk needs a block or completes one (for a decode: once every
+        block_size steps)."""
+        bm = self.block_manager
+        bs = bm.block_size
+        end = start + num_tokens
+        need = -(-end // bs) - len(seq.block_table)  # = bm.num_new_blocks when > 0
+        if need > 0:
+            if not self._make_room(seq, need):
+                return False
+            bm.append_blocks(seq, need)
+        if bm.enable_prefix_caching and end // bs > start // bs:
+            bm.commit_full_blocks(seq, start, end)
+        return True
 
     def _prefill_allowance(self) -> int:
         """Prefill tokens this step may carry: the cap when a decode runs (never less than a
@@ -267,45 +274,16 @@ class Scheduler:
                 self._hold = None
         return urgent if urgent < least else None
 
-    def _lower_turns(self, urgent: int) -> set[Sequence]:
-        """The less urgent running requests a protected step serves: those whose last turn
-        is the longest ago (round-robin), as many as priority_lower_tokens covers (a decode
-        is a token, a prefill chunk up to all of it). The head of the waiting queue takes
-        part when it is less urgent: its turn reserves its chunk for its admission (else
-        the running ones' decodes would spend every allowance and it would wait, and the
-        urgent requests queued behind it with it, until they finished). The step still
-        visits the running requests in their order, so a memory victim (the last) is never
-        one it has already scheduled."""
-        last = self._last_turn
-        rest = [s for s in self.running if s.params.priority > urgent]
+    def _hand_out_turns(self, urgent: int) -> LowerAllowance:
+        """The protected step's allowance, promised round-robin (protected_steps). The step
+        still visits the running requests in their order, so a memory victim (the last) is
+        never one it has already scheduled."""
         head = self.waiting.head() if self.waiting else None
-        if head is not None and head.params.priority > urgent:
-            rest.append(head)
-        rest.sort(key=lambda s: last.get(s, -1))
-        turns: set[Sequence] = set()
-        left = self.priority_lower_tokens
-        for seq in rest:
-            if left <= 0:
-                break
-            take = min(left, seq.num_tokens - seq.num_computed_tokens)
-            last[seq] = self._turns
-            if seq is head:
-                self._reserved, self._lower_left = take, self._lower_left - take
-            else:
-                turns.add(seq)
-            left -= take
-        self._turns += 1
-        return turns
-
-    def _lower_allowance(self) -> int:
-        """What a less urgent admission may take: the running ones' rest and the reserve."""
-        return self._lower_left + self._reserved
-
-    def _spend_lower(self, num_tokens: int) -> None:
-        """A less urgent admission took num_tokens: the reserve first."""
-        from_reserve = min(num_tokens, self._reserved)
-        self._reserved -= from_reserve
-        self._lower_left -= num_tokens - from_reserve
+        if head is not None and head.params.priority <= urgent:
+            head = None
+        lower = [s for s in self.running if s.params.priority > urgent]
+        return hand_out_turns(self.priority_lower_tokens, lower, head, self._last_turn,
+                              self._turn_stamps)
 
     def _make_room(self, seq: Sequence, need: int) -> bool:
         """Preempt the last running requests until seq's `need` new blocks are free; False if
@@ -339,13 +317,13 @@ class Scheduler:
                 self._blocked = "max_num_seqs"
                 return budget, prefill_left, False
             lower = self._urgent is not None and seq.params.priority > self._urgent
-            if lower and self._lower_allowance() == 0:
+            if lower and self._allowance.for_admission() == 0:
                 self._blocked = "budget"  # the protected step's allowance is spent
                 return budget, prefill_left, False
             hits = bm.match_prefix(seq)
             num_tokens = min(seq.num_tokens - len(hits) * bm.block_size, budget, prefill_left)
             if lower:
-                num_tokens = min(num_tokens, self._lower_allowance())
+                num_tokens = min(num_tokens, self._allowance.for_admission())
             if full or not bm.can_allocate(seq, hits, num_tokens):
                 if not full and not self.running and bm.num_used_blocks == 0:
                     self.waiting.pop_head()
@@ -357,11 +335,11 @@ class Scheduler:
                 # Room made for seq alone: admitting more (a victim even) would thrash.
                 self._admit_one(seq, hits, num_tokens, scheduled)
                 if lower:
-                    self._spend_lower(num_tokens)
+                    self._allowance.spend_admission(num_tokens)
                 return budget - num_tokens, prefill_left - num_tokens, False
             self._admit_one(seq, hits, num_tokens, scheduled)
             if lower:
-                self._spend_lower(num_tokens)
+                self._allowance.spend_admission(num_tokens)
             budget -= num_tokens
             prefill_left -= num_tokens
         self._blocked = "budget"  # nothing blocks: an arrival waits for the next step's budget
@@ -451,6 +429,7 @@ class Scheduler:
     def _leave_running(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._last_turn.pop(seq, None)
+        self._allowance.skip_running(seq)  # a turn it had in this step goes to the others
         counts, p = self._running_priorities, seq.params.priority
         counts[p] -= 1
         if not counts[p]:

@@ -507,6 +507,22 @@ def test_protected_steps_serve_the_urgent_decode_and_rotate_the_rest():
         assert sorted(window) == sorted(s.request_id for s in bg)
 
 
+def test_round_robin_is_even_when_the_allowance_does_not_divide_the_background():
+    """3 background decodes, 2 tokens a step: every 3 steps each gets exactly 2 (ties of the
+    last turn once went to the first in the running order, which got a token every step)."""
+    sim, bg = decoding_sim(3, lower=2)
+    fg = sim.add([0, 1, 2], max_tokens=30, priority=-1)
+    composition(sim)
+    counts = {s.request_id: 0 for s in bg}
+    for step_no in range(1, 13):
+        step = composition(sim)
+        assert step.pop(fg.request_id) == 1
+        for rid in step:
+            counts[rid] += 1
+        if step_no % 3 == 0:
+            assert set(counts.values()) == {2 * step_no // 3}, counts
+
+
 def test_urgent_prefill_is_not_capped_by_the_background_decodes():
     sim, _ = decoding_sim(4, lower=1, cap=4)
     fg = sim.add([0, 1, 2] * 6, max_tokens=2, priority=-1)  # 18 prompt tokens
@@ -533,6 +549,24 @@ def test_background_admissions_share_the_allowance():
         seen |= set(step)
     assert seen == {late.request_id, *(s.request_id for s in sim.sched.running
                                        if s.params.priority == 0 and s is not late)}
+
+
+def test_an_admission_before_a_running_turn_does_not_spend_that_turn():
+    """Found by the state machine: a less urgent request admitted before a running one whose
+    turn it was took that turn's token, and the running one then decoded anyway (two less
+    urgent tokens against an allowance of one, and the next admission got -1 tokens)."""
+    sim = psim(num_blocks=9, bs=1, max_seqs=4, budget=5)
+    bg = sim.add([0], max_tokens=2, priority=2)
+    steps(sim, 1)  # bg decodes from here
+    urgent = sim.add([0], max_tokens=1, priority=0)
+    middle = sim.add([0], max_tokens=1, priority=1)  # sorts before bg: admitted before it
+    sim.add([0], max_tokens=1, priority=2)
+    sim.sched.configure("priority", 0.0, 0, 1, 0.0)
+    step = composition(sim)
+    assert step == {urgent.request_id: 1, bg.request_id: 1}  # bg's turn, not middle's
+    step = composition(sim)
+    assert middle.request_id in step and sum(step.values()) <= 2
+    sim.drain()
 
 
 @pytest.mark.parametrize("aged", [False, True])
