@@ -17,12 +17,13 @@ that is not here; such a model takes its ordinary forward.
 Two kinds of model qualify: a float32 model whose every matmul is int4 without bias (the
 matmul rows in and out are bfloat16, as torch's int4 kernel takes and gives them), or a
 float32 or bfloat16 model whose every matmul is dense without bias (rows in the model's
-dtype). It runs when every row of the step decodes and the pool holds float32, bfloat16, int8
+dtype). It runs when every row of the step decodes, or its prompt and draft tokens are few
+(each becomes a row of its own, engine.fused_rows), and the pool holds float32, bfloat16, int8
 or fp8 K/V (rotated, K-balanced and anchored as the pool is: the RoPE call stores K/V through
 the pool's transforms and quantizer, kernels/cpu_kv_write.c, and hands the attention the query
 as the ordinary forward turns it, (q / g) @ R; the output is turned back by R^T on its way to
-o_proj; anchors are read by the attention kernel); anything else (prefill chunks, a step that
-fills anchor rows, a float16 pool, a bias on a projection) takes the model's ordinary forward.
+o_proj; anchors are read by the attention kernel); anything else (long prefill chunks, a step
+that fills anchor rows, a float16 pool, a bias on a projection) takes the model's ordinary forward.
 The residual stream is float32 here: for a float32 model that is the ordinary forward's too,
 and the results differ from it only in float32 rounding order (tests/engine/test_fused_decode.py,
 tests/engine/test_fused_families.py, tests/engine/test_fused_quantized.py; the greedy tokens
@@ -41,6 +42,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from kvscope.engine import fused_rows
 from kvscope.engine.weight_formats import INT4_GROUP, DenseLinear, Int4Linear, Linear
 from kvscope.kernels import cpu_attention, cpu_linear, native, ops
 from kvscope.kernels.anchors import Anchors
@@ -242,10 +244,11 @@ def _float32(t: torch.Tensor) -> torch.Tensor:
 
 
 def supports_step(meta: AttentionMetadata, pool: FusedPool) -> bool:
-    """Whether this step fuses: every row decodes, the pool is one the fused step stores
+    """Whether this step fuses: every row decodes or the step's prompt and draft tokens are
+    few enough to run as rows (engine.fused_rows), the pool is one the fused step stores
     (pool_reason), and no row fills anchor rows (a sequence's first positions: the ordinary
     forward writes those exact rows)."""
-    if meta.prefill_seqs or not native.available():
+    if not native.available() or (meta.prefill_seqs and not fused_rows.fits(meta)):
         return False
     fill = meta.anchor_fill
     if fill is not None and len(fill[0]):
@@ -367,6 +370,7 @@ def embed(model: FusedModel, input_ids: torch.Tensor) -> torch.Tensor:
 def run_layers(model: FusedModel, input_ids: torch.Tensor, positions: torch.Tensor,
                meta: AttentionMetadata, pool: FusedPool) -> torch.Tensor:
     """The residual stream [T, hidden] float32 after the last layer (before the final norm)."""
+    meta = fused_rows.as_rows(meta)
     io_dtype, tables = model.fused_rows, model.fused_tables
     if io_dtype is None or tables is None:
         raise ValueError("this model's decode steps do not fuse (see matmul_plan)")

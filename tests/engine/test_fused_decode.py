@@ -102,7 +102,10 @@ def test_it_stands_aside_where_it_does_not_apply(tiny):  # noqa: F811
     engine = llm.engine
     engine.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=2))
     _, _, meta, _ = engine.runner.prepare(engine.scheduler.schedule())
-    assert meta.prefill_seqs and not fused_decode.supports_step(meta, engine.pool)
+    assert meta.prefill_seqs and fused_decode.supports_step(meta, engine.pool)  # 5 rows
+    engine.add_request(list(range(1, 100)), SamplingParams(max_tokens=2))
+    _, _, meta, _ = engine.runner.prepare(engine.scheduler.schedule())
+    assert meta.prefill_seqs and not fused_decode.supports_step(meta, engine.pool)  # 99
 
 
 def test_kernels_ref_means_no_native_glue(tiny, monkeypatch):  # noqa: F811

@@ -7,7 +7,7 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvscope.engine.protected_steps import LowerAllowance, hand_out_turns
+from kvscope.engine.protected_steps import hand_out_turns
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.sequence import Sequence
 

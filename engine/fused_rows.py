@@ -1,0 +1,63 @@
+"""Steps with a few prompt (or draft) tokens on the fused decode: every query token a row.
+
+The fused CPU decode (engine.fused_decode) runs each layer row by row, and its attention
+kernel takes, per row, a block table and a context length. A prefill chunk or a speculative
+verify is causal attention of its tokens over their own sequence: the token at position p
+reads the keys up to p. So a step of decodes plus a few such tokens fuses when each token
+becomes a row of its sequence with context length p + 1: the layer writes every row's K/V
+before any row attends, so the chunk's own earlier keys are there when a later token reads
+them.
+
+The kernel reads a sequence's cached K/V once per row, where the prefill attention reads it
+once per chunk; past a few dozen tokens of a long context the ordinary forward's fixed cost
+is the smaller one. The step fuses while its prompt tokens stay under MAX_ROWS and the keys
+they read under MAX_KEYS (benchmarks/fused_mixed.py measures both sides).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvscope.kernels.attention_ref import AttentionMetadata
+
+MAX_ROWS = int(os.environ.get("KVSCOPE_FUSED_PROMPT_ROWS", "64"))  # 0: never expand
+MAX_KEYS = 8 * 1024  # summed context lengths of the expanded rows
+
+
+def prompt_rows(meta: AttentionMetadata) -> tuple[int, int]:
+    """(query tokens of the step's multi-token sequences, the keys they read in all)."""
+    qsl, ctx = meta.query_start_loc, meta.context_lens
+    rows = keys = 0
+    for i in meta.prefill_seqs:
+        n = qsl[i + 1] - qsl[i]
+        rows += n
+        keys += n * ctx[i] - n * (n - 1) // 2  # rows read ctx - n + 1 .. ctx keys
+    return rows, keys
+
+
+def fits(meta: AttentionMetadata, max_rows: int = MAX_ROWS) -> bool:
+    """Whether the step's multi-token sequences are few enough to run as rows."""
+    rows, keys = prompt_rows(meta)
+    return rows <= max_rows and keys <= MAX_KEYS
+
+
+def as_rows(meta: AttentionMetadata) -> AttentionMetadata:
+    """The same step with every query token a sequence of one query: its sequence's block
+    table and anchor entry, context length its position + 1. A step of decodes only is
+    returned as it is."""
+    if not meta.prefill_seqs:
+        return meta
+    qsl, ctx = meta.query_start_loc, meta.context_lens
+    owner: list[int] = []
+    lens: list[int] = []
+    for i in range(len(ctx)):
+        n = qsl[i + 1] - qsl[i]
+        owner += [i] * n
+        lens += range(ctx[i] - n + 1, ctx[i] + 1)
+    index = torch.tensor(owner, dtype=torch.long)
+    anchors = meta.anchor_index
+    return AttentionMetadata(
+        list(range(len(owner) + 1)), lens, meta.block_tables.index_select(0, index),
+        meta.slot_mapping, [], [], meta.rotation,
+        None if anchors is None else anchors.index_select(0, index), meta.anchor_fill)
