@@ -8,9 +8,29 @@ public names load lazily, so `import kvscope` costs no torch.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from importlib.metadata import PackageNotFoundError, version
 
 __all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams", "TokenDelta", "__version__"]
+
+# How long OpenMP's idle threads spin before they sleep (libgomp's GOMP_SPINCOUNT). Its own
+# default, 300,000 rounds, made decode steps up to 20x slower whenever another process wanted
+# a core; benchmarks/omp_wait.py measures the settings (docs/threads.md).
+SPIN_COUNT = "1000"
+
+
+def _default_omp_wait() -> None:
+    """Set GOMP_SPINCOUNT before torch loads libgomp (it reads it once, then), unless the
+    user set OpenMP's waiting or KVSCOPE_OMP_WAIT=as-is asks to leave it."""
+    env = os.environ
+    if env.get("KVSCOPE_OMP_WAIT") == "as-is" or "torch" in sys.modules:
+        return
+    if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
+        env["GOMP_SPINCOUNT"] = SPIN_COUNT
+
+
+_default_omp_wait()
 
 try:
     __version__ = version("kvscope")
