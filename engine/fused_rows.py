@@ -15,13 +15,11 @@ they read under MAX_KEYS (benchmarks/fused_mixed.py measures both sides).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from kvscope.kernels.attention_ref import AttentionMetadata
 
-MAX_ROWS = int(os.environ.get("KVSCOPE_FUSED_PROMPT_ROWS", "64"))  # 0: never expand
+MAX_ROWS = 64  # query tokens of the multi-token sequences in one step
 MAX_KEYS = 8 * 1024  # summed context lengths of the expanded rows
 
 
