@@ -23,7 +23,7 @@ from tests.engine.test_engine_tiny import random_prompts
 
 MIB = 2**20
 WIDE_KV = {"num_hidden_layers": 8, "hidden_size": 256, "num_key_value_heads": 4, "head_dim": 64}
-# 8 layers: 24 MiB per K or V tensor in float32, a few MiB like real models. The pool is most
+# 8 layers: 24 MiB per K or V tensor in float32, as real models have tens. The pool is most
 # of the process, as on a real server: at 192 MiB the rest (torch, the model, kernel choices)
 # was 60 % of the resident set, and the ratio sat at 4-5 % against a 5 % bound.
 BUDGET = 384 * MIB
