@@ -204,13 +204,20 @@ def test_cli_json_report_and_compare_against_the_recording(source, tmp_path, cap
     assert c.runs[1].failed == 1 and c.runs[1].errors == {"HTTP 429: slow down": 1}
 
 
+def press_ctrl_c_as_in_a_terminal() -> None:
+    """A foreground command gets SIGINT's default; a suite started as a background job of a
+    non-interactive shell (`make test &`) passes SIG_IGN down, and the replay never saw it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_stops_cleanly_and_keeps_what_was_recorded(source, tmp_path):
     out = tmp_path / "int.jsonl"
     with FakeOpenAI(plan=by_first_token({7: Plan(delays=[30.0, 0.0, 0.0])})) as srv:
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvscope", "trace", "replay", source, "--url", srv.url,
              "--speed", "max", "--tokenizer", "none", "-o", str(out), "--json"],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            preexec_fn=press_ctrl_c_as_in_a_terminal)
         deadline = time.monotonic() + 120
         while b'"response"' not in (out.read_bytes() if out.exists() else b""):
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
