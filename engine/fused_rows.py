@@ -12,6 +12,12 @@ The kernel reads a sequence's cached K/V once per row, where the prefill attenti
 once per chunk; past a few dozen tokens of a long context the ordinary forward's fixed cost
 is the smaller one. The step fuses while its prompt tokens stay under MAX_ROWS and the keys
 they read under MAX_KEYS (benchmarks/fused_mixed.py measures both sides).
+
+A speculative verify (one decode token and its drafts, AttentionMetadata.verify_seqs) counts
+against neither limit: its rows then round exactly as the plain decodes of the same positions
+do, so greedy output with drafts equals greedy output without (the ordinary forward rounds
+differently and can flip a near tie). Whether a long-context verify pays is the speculative
+back-off's measurement to make (engine.spec_backoff), not this one's.
 """
 from __future__ import annotations
 
@@ -24,10 +30,13 @@ MAX_KEYS = 8 * 1024  # summed context lengths of the expanded rows
 
 
 def prompt_rows(meta: AttentionMetadata) -> tuple[int, int]:
-    """(query tokens of the step's multi-token sequences, the keys they read in all)."""
+    """(query tokens of the step's prompt chunks, the keys they read in all); speculative
+    verifies are not counted."""
     qsl, ctx = meta.query_start_loc, meta.context_lens
     rows = keys = 0
     for i in meta.prefill_seqs:
+        if i in meta.verify_seqs:
+            continue
         n = qsl[i + 1] - qsl[i]
         rows += n
         keys += n * ctx[i] - n * (n - 1) // 2  # rows read ctx - n + 1 .. ctx keys

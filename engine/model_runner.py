@@ -58,6 +58,7 @@ class ModelRunner:
         ctx_lens: list[int] = []
         last_rows: list[int] = []
         prefill: list[int] = []
+        verify: list[int] = []
         row = 0
         for i, item in enumerate(batch):
             seq, n = item.seq, item.num_tokens
@@ -73,6 +74,8 @@ class ModelRunner:
                 positions.extend(range(start, end))
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
                 prefill.append(i)
+                if item.num_draft_tokens and n - item.num_draft_tokens == 1:
+                    verify.append(i)
             tables.append(table)
             row += n
             starts.append(row)
@@ -91,6 +94,7 @@ class ModelRunner:
             decode_groups=self.decode_groups(starts, ctx_lens),
             prefill_seqs=prefill,
             rotation=self.pool.rotation,
+            verify_seqs=frozenset(verify),
         )
         if self.pool.anchor_table is not None:
             self.plan_anchors(batch, starts, meta)

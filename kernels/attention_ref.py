@@ -44,6 +44,8 @@ class AttentionMetadata:
     # none ([B] int64 on the host), and the step's anchor writes (batch rows, anchor rows).
     anchor_index: torch.Tensor | None = None
     anchor_fill: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Of prefill_seqs, those whose queries are one decode token and its speculative drafts.
+    verify_seqs: frozenset[int] = frozenset()
 
 
 def group_decode_rows(query_start_loc: list[int], context_lens: list[int],

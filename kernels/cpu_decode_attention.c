@@ -388,12 +388,12 @@ static span_fn pick(int kind, int64_t d, int64_t group) {
 
 /* Below this many cached rows in a call, a parallel region costs more than it saves. */
 #define PARALLEL_MIN_ROWS 2048
-/* Past that, a sequence is cut into spans of at least this many positions (a multiple of
- * the block size), about a sixteenth of the call's positions each, so that one long
- * sequence, or a few, keep every thread busy. The cut depends on the batch alone, never on
- * the thread count, so the result does not either. */
-#define SPAN_MIN 256
-#define SPANS_PER_CALL 16
+/* A sequence is cut into spans of this many positions (rounded up to a multiple of the block
+ * size), so that one long sequence, or a few, keep every thread busy. The cut depends on the
+ * sequence's own length alone: never on the thread count, and never on the other rows of
+ * the call, so a row's result is the same in any batch (a speculative verify's rows and the
+ * plain decode of the same position round alike, tests/kernels/test_cpu_attention.py). */
+#define SPAN 256
 
 /* bfloat16 <-> float32 for the query and output rows (round to nearest even, as torch). */
 static inline void widen_bf16(float *dst, const uint16_t *src, int64_t n) {
@@ -447,8 +447,8 @@ static void merge_spans(float *out, const float *part, int64_t spans, int64_t st
  * table entries for blocks wholly before that are never read: they may be -1); softcap > 0:
  * scores become softcap * tanh(score / softcap) before the softmax.
  *
- * Work items are spans of a sequence's positions (the whole sequence unless it is long for
- * the call, SPAN_MIN), each for every KV head in turn: the heads' rows interleave in each
+ * Work items are spans of a sequence's positions (SPAN each; the whole sequence when it is
+ * shorter), each for every KV head in turn: the heads' rows interleave in each
  * block, so the head after the first finds them in the cache. A sequence cut into spans is
  * merged once every span is in (merge_spans). Built with -fopenmp, this library binds to the
  * libgomp torch has already loaded (same soname), so these are torch's own worker threads,
@@ -468,12 +468,7 @@ int kvscope_paged_decode(void *out, const void *query, const int64_t *rows,
     for (int64_t i = first; i < last; i++)
         total += window > 0 && lens[i] > window ? window : lens[i];
     const int parallel = total * num_kv_heads >= PARALLEL_MIN_ROWS;
-    int64_t span = INT64_MAX / 4;  /* one span per sequence unless cut below */
-    if (parallel) {
-        span = (total + SPANS_PER_CALL - 1) / SPANS_PER_CALL;
-        span = span < SPAN_MIN ? SPAN_MIN : span;
-        span = (span + block_size - 1) / block_size * block_size;
-    }
+    const int64_t span = (SPAN + block_size - 1) / block_size * block_size;
     /* spans of sequence i: items first_item[i - first] .. first_item[i - first + 1] - 1 */
     int64_t *first_item = malloc(sizeof(int64_t) * (size_t)(seqs + 1));
     if (!first_item) return 1;

@@ -132,3 +132,16 @@ def test_long_chunks_take_the_ordinary_forward():
     deep = AttentionMetadata([0, 8], [fused_rows.MAX_KEYS], torch.zeros(1, 1, dtype=torch.long),
                              torch.arange(8), [], [0])
     assert not fused_rows.fits(deep)  # a few rows, but each reads a long context
+
+
+def test_speculative_verifies_fuse_at_any_depth():
+    """A decode and its drafts stay on the fused rows however long their context, so they
+    round as the plain decodes would; a prompt chunk beside them still counts."""
+    k = 5  # one decode token and four drafts
+    meta = AttentionMetadata([0, k], [fused_rows.MAX_KEYS], torch.zeros(1, 1, dtype=torch.long),
+                             torch.arange(k), [], [0], verify_seqs=frozenset({0}))
+    assert fused_rows.prompt_rows(meta) == (0, 0) and fused_rows.fits(meta)
+    many = AttentionMetadata([0, k, 2 * k], [6000, 6000], torch.zeros(2, 1, dtype=torch.long),
+                             torch.arange(2 * k), [], [0, 1], verify_seqs=frozenset({0}))
+    assert fused_rows.prompt_rows(many) == (k, k * 6000 - k * (k - 1) // 2)
+    assert not fused_rows.fits(many)

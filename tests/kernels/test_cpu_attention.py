@@ -99,3 +99,26 @@ def test_a_batch_shared_over_threads_matches_one_thread_and_the_reference():
     assert torch.equal(shared, alone)
     want = reference(query, kc, vc, meta, tables, 0.125)
     torch.testing.assert_close(shared.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
+def test_a_rows_result_does_not_depend_on_the_rest_of_the_batch(dtype):
+    """A long sequence is cut into spans by its own length alone: alone, or beside other
+    rows that make the call far longer, its row is bit for bit the same. A speculative
+    verify's rows sit beside each other, and must round as the plain decode of the same
+    position does (greedy output with drafts equals greedy output without)."""
+    from kvscope.kernels.attention_ref import AttentionMetadata
+
+    q_lens, ctx_lens = [1, 1, 1, 1], [700, 1500, 2400, 40]
+    query, kc, vc, meta, _ = build_batch(q_lens, ctx_lens, 16, 6, 3, 64, num_blocks=320,
+                                         seed=11)
+    ks = vs = None
+    if dtype == torch.int8:
+        (kc, ks), (vc, vs) = quantize(kc, dtype), quantize(vc, dtype)
+    batched = cpu_attention.paged_attention_cpu(query, kc, vc, meta, 0.125, ks, vs)
+    for i in range(len(ctx_lens)):
+        alone_meta = AttentionMetadata([0, 1], [ctx_lens[i]], meta.block_tables[i:i + 1],
+                                       meta.slot_mapping, [], [])
+        alone = cpu_attention.paged_attention_cpu(query[i:i + 1], kc, vc, alone_meta, 0.125,
+                                                  ks, vs)
+        assert torch.equal(alone, batched[i:i + 1]), f"row {i} (context {ctx_lens[i]})"
