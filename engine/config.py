@@ -33,7 +33,7 @@ DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
 DEFAULT_KV_ANCHOR_TOKENS = 4
 MAX_KV_ANCHOR_TOKENS = 64
 # Scheduling (engine/scheduler.py). "priority" by default: with every request at the default
-# priority 0 it schedules exactly as "fcfs" does (tests/engine/test_priority_scheduler.py
+# priority 0 it schedules exactly as "fcfs" does (tests/engine/test_priority_properties.py
 # checks it step for step), so it costs nothing until a client sets a priority, and the
 # window's chat (priority -1) then overtakes background work out of the box.
 SCHEDULING_POLICIES = ("fcfs", "priority")

@@ -1,82 +1,201 @@
-"""The protected step's allowance: promises are kept for their own request, and whatever the
-order of spending, the step never carries more less-urgent tokens than the allowance."""
+"""Protected steps (priority_lower_tokens, priority_hold_s): while urgent work is live, a step
+carries at most a few tokens of the rest, round-robin, and nothing starves.
+"""
 from __future__ import annotations
 
-import itertools
-
-from hypothesis import given
+import pytest
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvscope.engine.protected_steps import hand_out_turns
-from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.block_manager import BlockManager
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.scheduler import scheduler_for
 from kvscope.engine.sequence import Sequence
+from tests.engine.priority_sim import (
+    PSim,
+    at_decode,
+    psim,
+    steps,
+)
+
+# -- protected steps (priority_lower_tokens, priority_hold_s) ---------------------------------
+
+def decoding_sim(num_bg: int, lower: int, hold: float = 0.0, cap: int = 0,
+                 max_tokens: int = 200) -> tuple[PSim, list[Sequence]]:
+    """num_bg priority-0 requests, all decoding (so no step has prefill work yet)."""
+    sim = psim(num_blocks=256, bs=4, max_seqs=16, budget=64, lower=lower, hold=hold, cap=cap)
+    bg = [sim.add([i % 3, 1], max_tokens=max_tokens) for i in range(num_bg)]
+    steps(sim, 1)
+    assert all(at_decode(s) for s in bg)
+    return sim, bg
 
 
-def seq(name: str, prompt: int, computed: int) -> Sequence:
-    s = Sequence(name, [0] * prompt, SamplingParams(max_tokens=4))
-    s.num_computed_tokens = computed
-    return s
+def composition(sim: PSim) -> dict[str, int]:
+    """One step: request id -> tokens scheduled."""
+    batch = sim.sched.schedule()
+    sim.clock.now += 1
+    sim.run_model(batch)
+    return {i.seq.request_id: i.num_tokens for i in batch}
 
 
-def test_turns_go_to_the_longest_waiting_and_rotate():
-    running = [seq(f"r{i}", 3, 2) for i in range(3)]  # decodes: one token each
-    last: dict[Sequence, int] = {}
-    stamps = itertools.count()
-    served = []
-    for _ in range(6):
-        a = hand_out_turns(2, running, None, last, stamps)
-        assert sum(a.promised.values()) == 2 and a.free == 0 and a.reserve == 0
-        served += [s.request_id for s in a.promised]
-    # round-robin although 2 does not divide 3: every window of 3 tokens serves all three
-    for k in range(0, 12, 3):
-        assert sorted(served[k:k + 3]) == ["r0", "r1", "r2"], served
+def test_protected_steps_serve_the_urgent_decode_and_rotate_the_rest():
+    sim, bg = decoding_sim(6, lower=2)
+    assert len(composition(sim)) == 6  # one priority: every decode, every step
+    fg = sim.add([0, 1, 2], max_tokens=30, priority=-1)
+    first = composition(sim)
+    assert first[fg.request_id] == 3 and sum(first.values()) == 5  # its prefill + 2 others
+    served: list[str] = []
+    for _ in range(9):
+        step = composition(sim)
+        assert step.pop(fg.request_id) == 1  # the urgent decode, every step
+        assert len(step) == 2 and set(step.values()) == {1}
+        served += step
+    # round-robin: over 3 steps each background request had exactly one token
+    for k in range(0, 9, 3):
+        window = served[2 * k:2 * k + 6]
+        assert sorted(window) == sorted(s.request_id for s in bg)
 
 
-def test_the_waiting_head_gets_a_reserve_and_what_is_left_is_free():
-    head = seq("h", 5, 0)
-    a = hand_out_turns(8, [seq("r", 3, 2)], head, {}, itertools.count())
-    assert a.reserve == 5 and a.free == 2 and sum(a.promised.values()) == 1
+def test_round_robin_is_even_when_the_allowance_does_not_divide_the_background():
+    """3 background decodes, 2 tokens a step: every 3 steps each gets exactly 2 (ties of the
+    last turn once went to the first in the running order, which got a token every step)."""
+    sim, bg = decoding_sim(3, lower=2)
+    fg = sim.add([0, 1, 2], max_tokens=30, priority=-1)
+    composition(sim)
+    counts = {s.request_id: 0 for s in bg}
+    for step_no in range(1, 13):
+        step = composition(sim)
+        assert step.pop(fg.request_id) == 1
+        for rid in step:
+            counts[rid] += 1
+        if step_no % 3 == 0:
+            assert set(counts.values()) == {2 * step_no // 3}, counts
 
 
-def test_an_admission_cannot_take_a_promised_turn():
-    r = seq("r", 3, 2)
-    a = hand_out_turns(1, [r], None, {}, itertools.count())
-    assert a.for_admission() == 0  # the only token is r's
-    assert a.for_running(r) == 1
-    a.spend_running(r, 1)
-    assert a.for_running(r) == 0 and a.for_admission() == 0
+def test_urgent_prefill_is_not_capped_by_the_background_decodes():
+    sim, _ = decoding_sim(4, lower=1, cap=4)
+    fg = sim.add([0, 1, 2] * 6, max_tokens=2, priority=-1)  # 18 prompt tokens
+    step = composition(sim)
+    assert step.pop(fg.request_id) == 18 and sum(step.values()) == 1
+    # ... while an urgent decode runs, the cap is back for the next urgent prompt
+    fg2 = sim.add([2, 1, 0] * 6, max_tokens=2, priority=-1)
+    step = composition(sim)
+    assert step[fg.request_id] == 1 and step[fg2.request_id] == 4
 
 
-def test_a_skipped_turn_is_freed_for_the_others():
-    r1, r2 = seq("a", 3, 2), seq("b", 3, 2)
-    a = hand_out_turns(2, [r1, r2], None, {}, itertools.count())
-    a.skip_running(r1)
-    assert a.for_admission() == 1 and a.for_running(r2) == 2
+def test_background_admissions_share_the_allowance():
+    sim, _ = decoding_sim(2, lower=3)
+    fg = sim.add([0, 1], max_tokens=40, priority=-1)
+    steps(sim, 1)
+    late = sim.add([1, 2, 0] * 4, max_tokens=2)  # a 12-token background prompt
+    step = composition(sim)
+    assert step.pop(fg.request_id) == 1
+    assert step == {late.request_id: 3}  # its turn first: the whole allowance
+    seen: set[str] = set()
+    while late.num_computed_tokens < 12:  # then it shares the turns with the decodes
+        step = composition(sim)
+        assert step.pop(fg.request_id) == 1 and sum(step.values()) <= 3
+        seen |= set(step)
+    assert seen == {late.request_id, *(s.request_id for s in sim.sched.running
+                                       if s.params.priority == 0 and s is not late)}
 
 
-@given(st.integers(0, 12), st.lists(st.integers(1, 6), max_size=5), st.integers(0, 6),
-       st.lists(st.tuples(st.sampled_from(["run", "skip", "admit"]), st.integers(0, 5),
-                          st.integers(1, 9)), max_size=12))
-def test_spending_never_exceeds_the_allowance(allowance, left, head_left, ops):
-    running = [seq(f"r{i}", n + 1, 1) for i, n in enumerate(left)]
-    head = seq("h", head_left, 0) if head_left else None
-    a = hand_out_turns(allowance, running, head, {}, itertools.count())
-    spent = 0
-    for op, index, want in ops:
-        if op == "admit":
-            n = min(want, a.for_admission())
-            a.spend_admission(n)
-        elif running:
-            s = running[index % len(running)]
-            if s not in a.promised:
-                continue
-            if op == "skip":
-                a.skip_running(s)
-                continue
-            n = min(want, a.for_running(s))
-            a.spend_running(s, n)
-        else:
-            continue
-        spent += n
-        assert a.free >= 0 and a.reserve >= 0
-    assert spent + a.free + a.reserve + sum(a.promised.values()) <= allowance
+def test_an_admission_before_a_running_turn_does_not_spend_that_turn():
+    """Found by the state machine: a less urgent request admitted before a running one whose
+    turn it was took that turn's token, and the running one then decoded anyway (two less
+    urgent tokens against an allowance of one, and the next admission got -1 tokens)."""
+    sim = psim(num_blocks=9, bs=1, max_seqs=4, budget=5)
+    bg = sim.add([0], max_tokens=2, priority=2)
+    steps(sim, 1)  # bg decodes from here
+    urgent = sim.add([0], max_tokens=1, priority=0)
+    middle = sim.add([0], max_tokens=1, priority=1)  # sorts before bg: admitted before it
+    sim.add([0], max_tokens=1, priority=2)
+    sim.sched.configure("priority", 0.0, 0, 1, 0.0)
+    step = composition(sim)
+    assert step == {urgent.request_id: 1, bg.request_id: 1}  # bg's turn, not middle's
+    step = composition(sim)
+    assert middle.request_id in step and sum(step.values()) <= 2
+    sim.drain()
+
+
+@pytest.mark.parametrize("aged", [False, True])
+def test_background_admission_gets_turns_beside_background_decodes(aged):
+    """A less urgent waiting request takes part in the round-robin, so the running ones'
+    decodes cannot spend every allowance; aged, it sorts before a new urgent request, which
+    therefore waits for it: a few steps, not until the background finishes."""
+    sim, bg = decoding_sim(6, lower=2)
+    sim.sched.configure("priority", 2.0, 0, 2, 0.0)
+    fg = sim.add([0, 1], max_tokens=200, priority=-1)
+    steps(sim, 2)
+    late = sim.add([1, 2, 0, 1], max_tokens=2, age=10.0 if aged else 0.0)
+    urgent = sim.add([2, 2], max_tokens=2, priority=-1) if aged else fg
+    assert sim.sched.waiting.head() is late
+    for _ in range(len(bg) + 2):
+        steps(sim, 1)
+    assert late.first_scheduled_time is not None and urgent.first_scheduled_time is not None
+    assert all(not s.is_finished for s in bg)  # long before the background finished
+
+
+def test_hold_keeps_steps_short_after_the_urgent_request_left():
+    sim, bg = decoding_sim(6, lower=2, hold=4.0)
+    fg = sim.add([0, 1], max_tokens=2, priority=-1)
+    while not fg.is_finished:
+        composition(sim)
+    left = sim.clock.now
+    while sim.clock.now - left < 4.0:  # the hold: still 2 background tokens a step
+        assert len(composition(sim)) == 2
+    assert len(composition(sim)) == 6  # then the whole batch again
+
+
+def test_protection_is_off_at_zero_and_under_fcfs():
+    for policy, lower in (("priority", 0), ("fcfs", 3)):
+        sim = psim(num_blocks=256, bs=4, max_seqs=16, budget=64, policy=policy, lower=lower)
+        for i in range(5):
+            sim.add([i % 3, 1], max_tokens=20)
+        steps(sim, 1)
+        sim.add([0, 1], max_tokens=20, priority=-1)
+        assert len(composition(sim)) == 6
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 8), st.integers(1, 5), st.lists(st.integers(1, 30), min_size=8,
+                                                       max_size=8), st.data())
+def test_background_progresses_under_endless_urgent_work(num_bg, lower, lengths, data):
+    """An urgent request is always live; every decoding background request still gets a
+    token within as many steps as there are background requests (each other one takes at
+    most one turn before it: round-robin, admissions included), and all of them finish
+    (none lost, no block leaked)."""
+    sim = psim(num_blocks=512, bs=2, max_seqs=12, budget=64, lower=lower, hold=2.0)
+    bg = [sim.add([i % 3, 1, 2][:1 + i % 3], max_tokens=lengths[i]) for i in range(num_bg)]
+    waits: dict[int, int] = {}
+    urgent = None
+    for _ in range(10 * sum(lengths)):
+        if urgent is None or urgent.is_finished:
+            prompt = data.draw(st.lists(st.integers(0, 2), min_size=1, max_size=9))
+            urgent = sim.add(prompt, data.draw(st.integers(1, 6)), priority=-1)
+        before = [s for s in sim.sched.running if s.params.priority == 0 and at_decode(s)]
+        batch = sim.sched.schedule()
+        served = {id(i.seq) for i in batch}
+        waits = {id(s): 0 if id(s) in served else waits.get(id(s), 0) + 1 for s in before}
+        for s in before:
+            assert waits[id(s)] < num_bg, f"{s.request_id} waited {waits[id(s)]} steps"
+        sim.clock.now += 1
+        sim.run_model(batch)
+        sim.check()
+        if all(s.is_finished for s in bg):
+            break
+    assert all(s.is_finished and s.num_output_tokens == s.params.max_tokens for s in bg)
+    sim.sched.finish(urgent, "abort")
+    assert sim.bm.num_free_blocks == sim.bm.num_blocks
+
+
+def test_engine_config_protection_defaults_and_bad_values():
+    assert (EngineConfig().priority_lower_tokens, EngineConfig().priority_hold_s) == (0, 5.0)
+    cfg = EngineConfig(priority_lower_tokens=8)
+    sched = scheduler_for(BlockManager(8, 4, False), cfg, None)
+    assert (sched.priority_lower_tokens, sched.priority_hold_s) == (
+        cfg.priority_lower_tokens, cfg.priority_hold_s)
+    for field, value in (("priority_lower_tokens", -1), ("priority_lower_tokens", 1.5),
+                         ("priority_hold_s", -2.0), ("priority_hold_s", True)):
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(**{field: value})
