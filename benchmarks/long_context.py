@@ -12,7 +12,10 @@ is one request of random token ids: its prefill (chunked as the engine schedules
 whole, prompt tokens / seconds; then, after --warmup untimed decode steps, each of --steps
 decode steps is timed on its own and tok/s = 1 / the median step, so the prefill never leaks
 into the decode number and a step disturbed by the rest of the machine does not move it.
-A length in both lists is measured by the same request.
+A length in both lists is measured by the same request. The KV dtypes' engines take turns on
+the same prompt, --rounds times a length, and each keeps its best round: on a shared or
+virtual machine a slow minute then hits every dtype alike (run one dtype after another and
+it decides which dtype looks slower).
 
 llama.cpp (docs/long-context.md builds it): `llama-bench -p 0 -n STEPS -d CONTEXT` with its
 default f16 KV and with `-ctk q8_0 -ctv q8_0 -fa 1`, `llama-bench -p LENGTH -n 0` for the
@@ -51,6 +54,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
                    choices=KV_DTYPE_CHOICES)
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per context")
     p.add_argument("--warmup", type=int, default=4, help="untimed decode steps before them")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="rounds per length, every KV dtype in turn; each keeps its best")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--model", default="default", help="kvscope's model (llama.cpp: --gguf)")
     p.add_argument("--weights", default="auto", help="kvscope's matmul weights")
@@ -79,8 +84,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def check_lengths(args: argparse.Namespace, max_model_len: int) -> None:
     """Every prompt, and every context plus its decode steps, within max_model_len."""
-    if args.steps < 1 or args.warmup < 0 or args.threads < 1:
-        raise ValueError("need --steps >= 1, --warmup >= 0 and --threads >= 1")
+    if args.steps < 1 or args.warmup < 0 or args.threads < 1 or args.rounds < 1:
+        raise ValueError("need --steps >= 1, --warmup >= 0, --threads >= 1 and --rounds >= 1")
     decode_room = args.warmup + args.steps + 1
     for n in args.contexts:
         if n < 1 or n + decode_room > max_model_len:
@@ -143,25 +148,36 @@ def kvscope_engine(args: argparse.Namespace, loaded, kv_dtype: str, num_blocks: 
     return LLMEngine(cfg, loaded)
 
 
-def measure_dtype(args: argparse.Namespace, engine, lengths: list[int], special: set[int]
-                  ) -> dict:
-    """{"decode": {context: tok/s}, "prefill": {length: tok/s}, "decode_best": ...} of one
-    KV dtype's engine."""
+def measure_all(args: argparse.Namespace, engines: dict, lengths: list[int], special: set[int]
+                ) -> dict:
+    """{kv dtype: {"decode": {context: tok/s}, "prefill": {length: tok/s}, "decode_best":
+    ...}}. Interleaved: each length's --rounds rounds run every dtype's engine in turn on the
+    same prompt, and each dtype keeps its best round, so a slow minute of a shared machine
+    lands on every dtype alike instead of on whichever ran then."""
     rng = random.Random(args.seed)
-    vocab = engine.model.shape.vocab_size
-    time_request(engine, random_prompt(rng, 32, vocab, special), 1, 2)  # warm every path
-    out: dict[str, dict[int, float]] = {"decode": {}, "decode_best": {}, "prefill": {}}
+    out: dict[str, dict[str, dict[int, float]]] = {
+        kv: {"decode": {}, "decode_best": {}, "prefill": {}} for kv in engines}
+    vocab = next(iter(engines.values())).model.shape.vocab_size
+    for engine in engines.values():
+        time_request(engine, random_prompt(rng, 32, vocab, special), 1, 2)  # warm every path
     for n in lengths:
         decode = n in args.contexts
-        prefill, steps = time_request(engine, random_prompt(rng, n, vocab, special),
-                                      args.warmup if decode else 0, args.steps if decode else 1)
-        if n in args.prompts:
-            out["prefill"][n] = n / prefill
-        if decode:
-            out["decode"][n] = 1 / statistics.median(steps)
-            out["decode_best"][n] = 1 / min(steps)
-        log(f"{str(engine.kv_dtype).removeprefix('torch.')} {n}: prefill {n / prefill:.0f} "
-            f"tok/s" + (f", decode {out['decode'][n]:.1f} tok/s" if decode else ""))
+        for _ in range(args.rounds):
+            prompt = random_prompt(rng, n, vocab, special)
+            for kv, engine in engines.items():
+                prefill, steps = time_request(engine, prompt, args.warmup if decode else 0,
+                                              args.steps if decode else 1)
+                got = out[kv]
+                if n in args.prompts:
+                    got["prefill"][n] = max(got["prefill"].get(n, 0.0), n / prefill)
+                if decode:
+                    got["decode"][n] = max(got["decode"].get(n, 0.0),
+                                           1 / statistics.median(steps))
+                    got["decode_best"][n] = max(got["decode_best"].get(n, 0.0), 1 / min(steps))
+        for kv, got in out.items():
+            said = [f"prefill {got['prefill'][n]:.0f} tok/s"] if n in got["prefill"] else []
+            said += [f"decode {got['decode'][n]:.1f} tok/s"] if decode else []
+            log(f"{kv} {n}: {', '.join(said)}")
     return out
 
 
@@ -185,14 +201,15 @@ def measure_kvscope(args: argparse.Namespace) -> dict:
     # Without a C compiler (or with a build that failed) the engine runs the torch kernels:
     # said in the result, since those numbers are not the native ones.
     result: dict = {"max_model_len": max_model_len, "threads": torch.get_num_threads(),
-                    "native_kernels": native.available(), "kv_dtypes": {}}
-    for kv in args.kv_dtypes:
-        engine = kvscope_engine(args, loaded, kv, -(-longest // 16) + 2)
+                    "native_kernels": native.available(), "rounds": args.rounds,
+                    "kv_dtypes": {}}
+    engines = {kv: kvscope_engine(args, loaded, kv, -(-longest // 16) + 2)
+               for kv in args.kv_dtypes}
+    measured = measure_all(args, engines, lengths, special)
+    for kv, engine in engines.items():
         result["weights"] = engine.weights
         result["prefill_chunk"] = engine.config.max_num_batched_tokens
-        result["kv_dtypes"][kv] = {"rotation": engine.kv_rotation,
-                                   **measure_dtype(args, engine, lengths, special)}
-        del engine
+        result["kv_dtypes"][kv] = {"rotation": engine.kv_rotation, **measured[kv]}
     return result
 
 
