@@ -8,6 +8,16 @@ call) and float32 up to 32 rows; on a CPU with AVX-512 BF16 torch's bfloat16 mat
 bf16 dot products and wins from a few rows up. Rows are bucketed by powers of two up to
 TOP_BUCKET; above it both run at their compute peak and their times grow in step with the
 rows, so that bucket is measured on its first TOP_BUCKET rows.
+
+float32 below TOP_BUCKET chooses between the two native variants only. They give every row
+the same bits whatever else is in the call, and each other's bits; torch's matmul does not
+(oneDNN blocks by the row count, so a row's float32 rounding depends on how many rows came
+with it). A decode row then rounds the same in a batch of 1 or 16, and a speculative
+verify's rows as the plain decodes of the same positions, so a near tie cannot flip a greedy
+token with the load (tests/kernels/test_cpu_linear.py). Where torch won those buckets it won
+by little on float32 (its AVX-512 FMA is what the kernel uses too); bfloat16, where torch's
+bf16 dot products win by several times from 16 rows, keeps torch as a candidate, and so do
+long prefill chunks, whose rows are many anyway.
 """
 from __future__ import annotations
 
@@ -56,14 +66,19 @@ def implementation(x: torch.Tensor, weight: torch.Tensor) -> str:
     return chooser.choose(name, candidates(x, weight), info, fast_key)
 
 
+def row_invariant_only(dtype: torch.dtype, rows: int) -> bool:
+    """Whether a call of `rows` rows chooses among the row-invariant native variants only."""
+    return dtype == torch.float32 and bucket(rows) < TOP_BUCKET
+
+
 def candidates(x: torch.Tensor, weight: torch.Tensor) -> dict[str, Callable[[], object]]:
     """The implementations compared, each on x's first TOP_BUCKET rows (the serial kernel
-    only where there is more than one thread to compare with)."""
+    only where there is more than one thread to compare with; torch's matmul not for
+    float32 below TOP_BUCKET rows, row_invariant_only)."""
     rows = x.reshape(-1, weight.shape[1])[:TOP_BUCKET].contiguous()
-    got: dict[str, Callable[[], object]] = {
-        NATIVE: lambda: native_linear(rows, weight),
-        TORCH: lambda: F.linear(rows, weight),
-    }
+    got: dict[str, Callable[[], object]] = {NATIVE: lambda: native_linear(rows, weight)}
+    if not row_invariant_only(weight.dtype, len(rows)):
+        got[TORCH] = lambda: F.linear(rows, weight)
     if torch.get_num_threads() > 1:
         got[SERIAL] = lambda: native_linear(rows, weight, parallel=False)
     return got

@@ -71,3 +71,19 @@ def test_a_dense_model_linear_uses_it_unless_the_torch_kernels_are_forced(monkey
     assert DenseLinear(w).native
     monkeypatch.setenv("KVSCOPE_KERNELS", "ref")
     assert not DenseLinear(w).native
+
+
+def test_float32_rows_round_alike_in_any_batch():
+    """The native variants give a row the same bits alone and among up to 80 rows, and the
+    same as each other; so float32 below TOP_BUCKET rows chooses between them only, and
+    bfloat16 (torch's bf16 dot products) and long chunks keep torch as a candidate."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 64, generator=g)
+    x = torch.randn(80, 64, generator=g)
+    alone = torch.cat([cpu_linear.native_linear(x[i:i + 1], w) for i in range(len(x))])
+    for parallel in (True, False):
+        for m in (2, 5, 16, 80):
+            assert torch.equal(cpu_linear.native_linear(x[:m], w, parallel=parallel), alone[:m])
+    assert "torch" not in cpu_linear.candidates(x[:16], w)
+    assert "torch" in cpu_linear.candidates(torch.randn(300, 64), w)
+    assert "torch" in cpu_linear.candidates(x[:16].bfloat16(), w.bfloat16())

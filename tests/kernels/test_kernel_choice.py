@@ -207,13 +207,15 @@ def fake_times(monkeypatch, chooser, **ms):
 
 
 @needs_native
-@pytest.mark.parametrize(("winner", "times"), [
-    ("torch", {"native": 2.0, "native_serial": 3.0, "torch": 1.0}),
-    ("native", {"native": 1.0, "native_serial": 3.0, "torch": 2.0}),
-    ("native-serial", {"native": 2.0, "native_serial": 1.0, "torch": 3.0}),
+@pytest.mark.parametrize(("winner", "times", "dtype"), [
+    ("torch", {"native": 2.0, "native_serial": 3.0, "torch": 1.0}, torch.bfloat16),
+    ("native", {"native": 1.0, "native_serial": 3.0, "torch": 2.0}, torch.float32),
+    ("native-serial", {"native": 2.0, "native_serial": 1.0, "torch": 3.0}, torch.float32),
+    # float32 at a few rows: torch is no candidate (cpu_linear.row_invariant_only)
+    ("native", {"native": 2.0, "native_serial": 3.0, "torch": 1.0}, torch.float32),
 ])
 def test_the_engines_linear_runs_the_chosen_implementation(cache_file, monkeypatch, winner,
-                                                           times):
+                                                           times, dtype):
     from kvscope.engine.weight_formats import DenseLinear
 
     chooser = Chooser(cache_file, KEY, FakeClock())
@@ -225,14 +227,17 @@ def test_the_engines_linear_runs_the_chosen_implementation(cache_file, monkeypat
     monkeypatch.setattr(cpu_linear, "native_linear", lambda *a, parallel=True: ran.append(
         "native" if parallel else "native-serial") or real_native(*a, parallel=parallel))
     monkeypatch.setattr(cpu_linear.F, "linear", lambda *a: ran.append("torch") or real_torch(*a))
-    w = torch.randn(24, 32)
+    w = torch.randn(24, 32).to(dtype)
     layer = DenseLinear(w)
-    x = torch.randn(3, 32)
+    x = torch.randn(3, 32).to(dtype)
     got = layer(x)
     assert ran == [winner]
-    torch.testing.assert_close(got, x @ w.t(), rtol=1e-5, atol=1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), (x.double() @ w.double().t()).float(), rtol=tol,
+                               atol=tol * 10)
     d = chooser.table()[0]
-    assert d.name == "linear float32 24x32 rows<=4 threads=2" and d.choice == winner
+    name = str(dtype).removeprefix("torch.")
+    assert d.name == f"linear {name} 24x32 rows<=4 threads=2" and d.choice == winner
     assert d.info["rows"] == "<=4" and d.info["op"] == "linear"
 
 
