@@ -10,7 +10,7 @@ from kvscope.engine.config import EngineConfig
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.scheduler import ScheduledSeq, Scheduler, scheduler_for
 from kvscope.engine.sequence import Sequence, SequenceStatus
-from tests.engine.test_scheduler_properties import Sim, prefix_keys
+from tests.engine.test_scheduler_properties import Sim
 
 _ids = itertools.count()
 WAIT_REASONS = {"budget", "max_num_seqs", "memory", "preempted"}
@@ -75,16 +75,9 @@ class PSim(Sim):
         self.history.append([(index[i.seq.request_id], i.num_tokens) for i in batch]
                             + [(index[p.request_id], -1) for p in sched.last_preemptions])
 
-        seqs = [item.seq for item in batch]
-        assert len(seqs) == len({id(s) for s in seqs}), "a sequence is scheduled twice"
-        assert sum(item.num_tokens for item in batch) <= sched.max_num_batched_tokens
-        assert len(sched.running) <= sched.max_num_seqs
+        self.check_batch(batch)
         for item in batch:
-            s = item.seq
-            assert s.status == SequenceStatus.RUNNING and s in sched.running
-            assert 1 <= item.num_tokens <= s.num_uncomputed_tokens
-            assert len(s.block_table) * bm.block_size >= s.num_computed_tokens + item.num_tokens
-            assert s.wait_reason == "" and s.first_scheduled_time is not None
+            assert item.seq.wait_reason == "" and item.seq.first_scheduled_time is not None
         cap = sched.max_prefill_tokens_while_decoding
         # the cap counts the decodes of the protected priority only (all of them unprotected)
         if cap and any(at_decode(s) and (urgent is None or s.params.priority <= urgent)
@@ -153,37 +146,8 @@ class PSim(Sim):
         lower = [i for i in batch if i.seq.params.priority > urgent]
         assert sum(i.num_tokens for i in lower) <= sched.priority_lower_tokens
 
-    def run_model(self, batch: list[ScheduledSeq], admitted: list[Sequence] | None = None
-                  ) -> None:
-        """Write each chunk's K/V into the shadow pool, mark it computed, sample, finish.
-
-        A block a chunk fills may be shared only by a request admitted in this same step
-        that took it as a prefix hit (blocks are registered when scheduled)."""
-        bm, sched = self.bm, self.sched
-        new = None if admitted is None else {id(s) for s in admitted}
-        for item in batch:
-            s = item.seq
-            keys = prefix_keys(s, s.num_computed_tokens + item.num_tokens)
-            for p in range(s.num_computed_tokens, s.num_computed_tokens + item.num_tokens):
-                block_id = s.block_table[p // bm.block_size]
-                for other in sched.running:
-                    if other is s or block_id not in other.block_table:
-                        continue
-                    hits = other.block_table[:other.num_cached_tokens // bm.block_size]
-                    assert (new is None or id(other) in new) and block_id in hits, \
-                        f"{s.request_id} writes block {block_id} that {other.request_id} holds"
-                self.slots[(block_id, p % bm.block_size)] = keys[p]
-        for item in batch:
-            item.seq.num_computed_tokens += item.num_tokens
-        for item in batch:
-            self.check_reads(item.seq)
-        for item in batch:
-            s = item.seq
-            if s.num_computed_tokens == s.num_tokens:
-                s.token_ids.append((s.num_tokens * 7 + len(s.request_id)) % self.alphabet)
-                if s.num_output_tokens >= s.params.max_tokens:
-                    sched.finish(s, "length")
-                    self.left_at[id(s)] = self.clock.now
+    def finished(self, s: Sequence) -> None:
+        self.left_at[id(s)] = self.clock.now
 
     def check(self) -> None:
         super().check()
@@ -214,16 +178,9 @@ class PSim(Sim):
         self.slots.clear()
         self.thrown.clear()
 
-    def drain(self, limit: int = 20_000) -> int:
-        steps = 0
-        while self.sched.has_unfinished():
-            assert steps < limit, f"livelock: still unfinished after {limit} steps"
-            self.step()
-            self.check()
-            steps += 1
-        assert self.bm.num_free_blocks == self.bm.num_blocks, "blocks leaked"
-        assert all(b.ref_count == 0 for b in self.bm.blocks)
-        return steps
+    def drain_limit(self, limit: int) -> int:
+        # Not bounded by the work left: priority preemption may throw back the oldest request.
+        return max(limit, 20_000)
 
     def check_completed(self) -> None:
         """Without aborts: every request got max_tokens, or outgrew the pool."""

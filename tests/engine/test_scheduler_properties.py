@@ -23,7 +23,7 @@ from hypothesis.stateful import (
 
 from kvscope.engine.block_manager import BlockManager
 from kvscope.engine.sampling_params import SamplingParams
-from kvscope.engine.scheduler import Scheduler
+from kvscope.engine.scheduler import ScheduledSeq, Scheduler
 from kvscope.engine.sequence import Sequence, SequenceStatus
 from tests.engine.test_block_manager import ShadowKV
 from tests.engine.test_block_manager import check_invariants as check_pool
@@ -69,23 +69,15 @@ class Sim:
         assert seq not in self.sched.running and seq not in self.sched.waiting
 
     def step(self) -> None:
-        sched, bm = self.sched, self.bm
+        sched = self.sched
         running_before = list(sched.running)
         waiting_before = list(sched.waiting)
         preempt_before = sched.num_preemptions
         batch = sched.schedule()
         self.steps += 1
 
-        # -- the batch ---------------------------------------------------------------------
+        self.check_batch(batch)
         seqs = [item.seq for item in batch]
-        assert len(seqs) == len({id(s) for s in seqs}), "a sequence is scheduled twice"
-        assert sum(item.num_tokens for item in batch) <= sched.max_num_batched_tokens
-        assert len(sched.running) <= sched.max_num_seqs
-        for item in batch:
-            s = item.seq
-            assert s.status == SequenceStatus.RUNNING and s in sched.running
-            assert 1 <= item.num_tokens <= s.num_uncomputed_tokens
-            assert len(s.block_table) * bm.block_size >= s.num_computed_tokens + item.num_tokens
 
         # -- capacity finishes: only a sequence that cannot fit even alone -----------------
         for s in sched.finished_by_capacity:
@@ -118,20 +110,41 @@ class Sim:
         assert order == sorted(order), "running is not in admission order"
 
         # -- the step: the model writes every chunk's K/V, then the engine's bookkeeping ----
-        # Blocks are registered when scheduled, so a request admitted in this step may hit a
-        # block whose K/V is written in this same step; no one else may share a written block.
-        admitted = {id(s): s for s in waiting_before if s in sched.running}
+        self.run_model(batch, [s for s in waiting_before if s in sched.running])
+
+    def check_batch(self, batch: list[ScheduledSeq]) -> None:
+        """What any schedule must hold: each running sequence once, within the budgets, with
+        blocks for what it computes."""
+        sched, bm = self.sched, self.bm
+        seqs = [item.seq for item in batch]
+        assert len(seqs) == len({id(s) for s in seqs}), "a sequence is scheduled twice"
+        assert sum(item.num_tokens for item in batch) <= sched.max_num_batched_tokens
+        assert len(sched.running) <= sched.max_num_seqs
         for item in batch:
             s = item.seq
-            before = s.num_computed_tokens
-            keys = prefix_keys(s, before + item.num_tokens)
-            for p in range(before, before + item.num_tokens):
+            assert s.status == SequenceStatus.RUNNING and s in sched.running
+            assert 1 <= item.num_tokens <= s.num_uncomputed_tokens
+            assert len(s.block_table) * bm.block_size >= s.num_computed_tokens + item.num_tokens
+
+    def run_model(self, batch: list[ScheduledSeq], admitted: list[Sequence] | None = None
+                  ) -> None:
+        """Write each chunk's K/V into the shadow pool, mark it computed, sample, finish.
+
+        Blocks are registered when scheduled, so a request admitted in this step (`admitted`;
+        None: any) may hit a block whose K/V is written in this same step; no one else may
+        share a written block."""
+        bm, sched = self.bm, self.sched
+        new = None if admitted is None else {id(s) for s in admitted}
+        for item in batch:
+            s = item.seq
+            keys = prefix_keys(s, s.num_computed_tokens + item.num_tokens)
+            for p in range(s.num_computed_tokens, s.num_computed_tokens + item.num_tokens):
                 block_id = s.block_table[p // bm.block_size]
                 for other in sched.running:
                     if other is s or block_id not in other.block_table:
                         continue
-                    hit_blocks = other.block_table[:other.num_cached_tokens // bm.block_size]
-                    assert id(other) in admitted and block_id in hit_blocks, \
+                    hits = other.block_table[:other.num_cached_tokens // bm.block_size]
+                    assert (new is None or id(other) in new) and block_id in hits, \
                         f"{s.request_id} writes block {block_id} that {other.request_id} holds"
                 self.slots[(block_id, p % bm.block_size)] = keys[p]
         for item in batch:
@@ -144,6 +157,10 @@ class Sim:
                 s.token_ids.append((s.num_tokens * 7 + len(s.request_id)) % self.alphabet)
                 if s.num_output_tokens >= s.params.max_tokens:
                     sched.finish(s, "length")
+                    self.finished(s)
+
+    def finished(self, s: Sequence) -> None:
+        """A request the model just finished (a subclass may note when)."""
 
     def check_reads(self, s: Sequence) -> None:
         bs = self.bm.block_size
@@ -169,6 +186,11 @@ class Sim:
         for s in sched.running:  # everything computed reads back its own prefix
             self.check_reads(s)
 
+    def drain_limit(self, limit: int) -> int:
+        """The most steps draining may take (see drain)."""
+        return min(limit, sum(s.num_prompt_tokens + s.params.max_tokens + 2
+                              for s in self.live()))
+
     def drain(self, limit: int = MAX_DRAIN_STEPS) -> int:
         """Step until nothing is left; a livelock fails.
 
@@ -178,8 +200,7 @@ class Sim:
         request admits one (or finishes one for capacity), and a step whose oldest request is
         finished for capacity preempted the rest and admits nothing (+1).
         """
-        work = sum(s.num_prompt_tokens + s.params.max_tokens + 2 for s in self.live())
-        limit = min(limit, work)
+        limit = self.drain_limit(limit)
         steps = 0
         while self.sched.has_unfinished():
             assert steps < limit, f"livelock: still unfinished after {limit} steps"
