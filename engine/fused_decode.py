@@ -17,8 +17,8 @@ that is not here; such a model takes its ordinary forward.
 Two kinds of model qualify: a float32 model whose every matmul is int4 without bias (the
 matmul rows in and out are bfloat16, as torch's int4 kernel takes and gives them), or a
 float32 or bfloat16 model whose every matmul is dense without bias (rows in the model's
-dtype). It runs when every row of the step decodes, or its prompt and draft tokens are few
-(each becomes a row of its own, engine.fused_rows), and the pool holds float32, bfloat16, int8
+dtype). It runs when every row of the step decodes, or its prompt tokens are few (each
+becomes a row of its own, engine.fused_rows; speculative drafts always do), and the pool holds float32, bfloat16, int8
 or fp8 K/V (rotated, K-balanced and anchored as the pool is: the RoPE call stores K/V through
 the pool's transforms and quantizer, kernels/cpu_kv_write.c, and hands the attention the query
 as the ordinary forward turns it, (q / g) @ R; the output is turned back by R^T on its way to
