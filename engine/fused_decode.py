@@ -18,12 +18,13 @@ Two kinds of model qualify: a float32 model whose every matmul is int4 without b
 matmul rows in and out are bfloat16, as torch's int4 kernel takes and gives them), or a
 float32 or bfloat16 model whose every matmul is dense without bias (rows in the model's
 dtype). It runs when every row of the step decodes, or its prompt tokens are few (each
-becomes a row of its own, engine.fused_rows; speculative drafts always do), and the pool holds float32, bfloat16, int8
-or fp8 K/V (rotated, K-balanced and anchored as the pool is: the RoPE call stores K/V through
-the pool's transforms and quantizer, kernels/cpu_kv_write.c, and hands the attention the query
-as the ordinary forward turns it, (q / g) @ R; the output is turned back by R^T on its way to
-o_proj; anchors are read by the attention kernel); anything else (long prefill chunks, a step
-that fills anchor rows, a float16 pool, a bias on a projection) takes the model's ordinary forward.
+becomes a row of its own, engine.fused_rows; speculative drafts always do), and the pool
+holds float32, bfloat16, int8 or fp8 K/V (rotated, K-balanced and anchored as the pool is:
+the RoPE call stores K/V through the pool's transforms and quantizer,
+kernels/cpu_kv_write.c, and hands the attention the query as the ordinary forward turns it,
+(q / g) @ R; the output is turned back by R^T on its way to o_proj; anchors are read by the
+attention kernel); anything else (long prefill chunks, a step that fills anchor rows, a
+float16 pool, a bias on a projection) takes the model's ordinary forward.
 The residual stream is float32 here: for a float32 model that is the ordinary forward's too,
 and the results differ from it only in float32 rounding order (tests/engine/test_fused_decode.py,
 tests/engine/test_fused_families.py, tests/engine/test_fused_quantized.py; the greedy tokens
