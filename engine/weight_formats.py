@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kvscope.engine.config import WEIGHT_FORMATS
-from kvscope.kernels import cpu_linear, ops
+from kvscope.kernels import cpu_int4, cpu_linear, ops
 
 INT4_GROUP = 32
 # The packing kernel tiles output rows by 16.
@@ -149,8 +149,11 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) -> 
     agreement with float32 Hugging Face rose only about 6 points (the bfloat16 scales bound
     it) for a slower call, so the input is simply rounded.
     """
+    xb = x.to(KERNEL_DTYPE)
+    if cpu_int4.supports(scale_zero.shape[1], xb.shape[1]):
+        return cpu_int4.int4_mm(xb, packed, scale_zero).to(x.dtype)
     y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(  # torch.ops is typed Any
-        x.to(KERNEL_DTYPE), packed, INT4_GROUP, scale_zero)
+        xb, packed, INT4_GROUP, scale_zero)
     return y.to(x.dtype)
 
 

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "cpu_decode_attention.c", HERE / "cpu_decode_glue.c",
-           HERE / "cpu_small_gemm.c", HERE / "cpu_kv_write.c")
+           HERE / "cpu_small_gemm.c", HERE / "cpu_int4_gemm.c", HERE / "cpu_kv_write.c")
 HEADERS = (HERE / "cpu_vec.h",)  # not compiled on their own, but part of the cache key
 ENV = "KVSCOPE_CPU_KERNELS"
 # A hung compiler must not hang the engine, but a loaded machine compiles slowly: 120 s
@@ -48,6 +48,7 @@ SIGNATURES = {
     "kvscope_gelu_tanh_mul": [P, P, I64, I64, INT],
     "kvscope_add_normed_rms_norm": [P, P, P, P, F32, P, I64, I64, INT],
     "kvscope_gemm": [P, INT, P, INT, P, INT, P, I64, I64, I64, INT],
+    "kvscope_int4_gemm": [P, INT, P, INT, P, P, I64, I64, I64, INT],
     "kvscope_kv_write": [P, I64, I64, I64, P, P, P, P, P, P, INT],
     # ..., kind, io, R, shift, gain, q_gain (the KV pool's kind and transforms)
     "kvscope_rope_write_kv": [P, I64, P, P, P, I64, P, P, F32, P, P, P, P, P, P, I64, I64, I64,
@@ -56,7 +57,7 @@ SIGNATURES = {
 }
 
 
-RETURNS_STATUS = ("kvscope_paged_decode", "kvscope_gemm")
+RETURNS_STATUS = ("kvscope_paged_decode", "kvscope_gemm", "kvscope_int4_gemm")
 
 
 def cache_dirs() -> list[Path]:

@@ -1,0 +1,148 @@
+/* y = x W^T on the CPU for 4-bit weights (engine/weight_formats.Int4Linear), read from the
+ * very tensors torch's `_weight_int4pack_mm_for_cpu` takes, with its math: the input
+ * rounded to bfloat16, each weight (code - 8) * scale + zero from a bfloat16 scale and zero
+ * per 32 inputs, float32 sums, the output rounded to bfloat16. Every output is the same chain
+ * of fused multiply-adds over the inputs in order as torch's, so the two give the same bits
+ * (tests/kernels/test_cpu_int4.py) and which one runs is a matter of speed only
+ * (kernels/cpu_int4.py measures it).
+ *
+ * Why: torch's kernel pays the dequantization again for every few input rows; 5 rows (a
+ * speculative verify of 4 drafts) cost 2.5-3.5x one row on the SmolLM2 shapes. Here a tile
+ * of up to 6 rows shares each dequantized weight from registers.
+ *
+ * torch's CPU layout (as `_convert_weight_to_int4pack_for_cpu(codes, 1)` writes it, for
+ * N a multiple of 64): blocks of 64 outputs, [N / 64, K, 32] bytes, byte j of input k
+ * holding output j in its low nibble and output j + 32 in its high one; scale_zero [K / 32,
+ * N, 2] bfloat16, (scale, zero) per group and output. A 16-wide vector here is 16 outputs
+ * at one input, times the input broadcast: bytes 0-15 give outputs 0-15 and 32-47, bytes
+ * 16-31 outputs 16-31 and 48-63.
+ *
+ * A row's result does not depend on what else is in the call (its chain is the same for any
+ * row count, tile or thread split): a speculative verify's rows round as the plain decodes
+ * of the same positions.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_vec.h"
+
+typedef uint8_t v16ub __attribute__((vector_size(16)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+enum { I4_F32 = 0, I4_BF16 = 1 };
+#define MT_MAX 6
+#define GROUP 32
+#define BLOCK 64
+
+/* 16 bytes as 16 int32 lanes. */
+static inline __attribute__((always_inline)) v16i u8x16_to_i32(const uint8_t *src) {
+#if defined(__AVX512F__)
+    return (v16i)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)src));
+#elif defined(__AVX2__)
+    __m128i v = _mm_loadu_si128((const __m128i *)src);
+    v8i lo = (v8i)_mm256_cvtepu8_epi32(v), hi = (v8i)_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8));
+    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    v16ub b;
+    memcpy(&b, src, 16);
+    return __builtin_convertvector(b, v16i);
+#endif
+}
+
+/* Scale s and zero - 8 scale of 16 consecutive outputs from their (scale, zero) pairs. */
+static inline __attribute__((always_inline)) void group_scales(v16f *s, v16f *z8,
+                                                               const uint16_t *pairs) {
+    v16u u;
+    memcpy(&u, pairs, 64);
+    v16u lo = u << 16, hi = u & 0xffff0000u;
+    memcpy(s, &lo, 64);
+    v16f z;
+    memcpy(&z, &hi, 64);
+    *z8 = z - 8.0f * *s;
+}
+
+static inline __attribute__((always_inline)) void store_out(void *y, int y_kind, int64_t at,
+                                                            v16f v) {
+    if (y_kind == I4_F32) *(v16f_u *)((float *)y + at) = v;
+    else store_bf16x16((uint16_t *)y + at, v);
+}
+
+/* MT rows of x (float32 holding bfloat16 values, stride K) against a block's 64 outputs
+ * starting at n0, or against half of them (HALF 0: bytes 0-15, outputs n0 + 0-15 and
+ * n0 + 32-47; HALF 1: bytes 16-31, n0 + 16-31 and 48-63; HALF -1: all four tiles), in
+ * registers. codes: the block's [K, 32] bytes; sz: scale_zero. */
+#define TILES(MT, HALF, NAME)                                                                     \
+    static void rows_##MT##_##NAME(void *y, int y_kind, int64_t N, const float *x,         \
+                                   int64_t K, const uint8_t *codes, const uint16_t *sz,     \
+                                   int64_t n0) {                                            \
+        enum { H0 = HALF < 0 ? 0 : HALF, NH = HALF < 0 ? 2 : 1, NT = 2 * NH };              \
+        /* tile j of this call: half H0 + j / 2, nibble j % 2 (outputs + 16 half + 32 nib) */ \
+        v16f acc[MT][NT];                                                                   \
+        for (int m = 0; m < MT; m++)                                                        \
+            for (int j = 0; j < NT; j++) acc[m][j] = (v16f){0};                             \
+        for (int64_t g = 0; g < K / GROUP; g++) {                                           \
+            v16f s[NT], z8[NT];                                                             \
+            for (int j = 0; j < NT; j++) {                                                  \
+                int64_t n = n0 + 16 * (H0 + j / 2) + 32 * (j % 2);                          \
+                group_scales(s + j, z8 + j, sz + (g * N + n) * 2);                          \
+            }                                                                               \
+            for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k++) {                         \
+                for (int h = 0; h < NH; h++) {                                              \
+                    v16i b = u8x16_to_i32(codes + k * 32 + 16 * (H0 + h));                  \
+                    v16f w0 = __builtin_convertvector(b & 15, v16f) * s[2 * h] + z8[2 * h]; \
+                    v16f w1 = __builtin_convertvector(b >> 4, v16f) * s[2 * h + 1]          \
+                              + z8[2 * h + 1];                                              \
+                    for (int m = 0; m < MT; m++) {                                          \
+                        acc[m][2 * h] = acc[m][2 * h] + x[m * K + k] * w0;                  \
+                        acc[m][2 * h + 1] = acc[m][2 * h + 1] + x[m * K + k] * w1;          \
+                    }                                                                       \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+        for (int m = 0; m < MT; m++)                                                        \
+            for (int j = 0; j < NT; j++)                                                    \
+                store_out(y, y_kind, m * N + n0 + 16 * (H0 + j / 2) + 32 * (j % 2),         \
+                          acc[m][j]);                                                       \
+    }
+/* Up to 4 rows take the block's 4 tiles at once; 5 and 6 rows its halves one after the
+ * other (their accumulators and scales stay within 32 vector registers). */
+TILES(1, -1, all) TILES(2, -1, all) TILES(3, -1, all) TILES(4, -1, all)
+TILES(5, 0, lo) TILES(5, 1, hi) TILES(6, 0, lo) TILES(6, 1, hi)
+typedef void (*rows_fn)(void *, int, int64_t, const float *, int64_t, const uint8_t *,
+                        const uint16_t *, int64_t);
+static const rows_fn whole[] = {0, rows_1_all, rows_2_all, rows_3_all, rows_4_all};
+static const rows_fn halves[][2] = {{rows_5_lo, rows_5_hi}, {rows_6_lo, rows_6_hi}};
+
+/* y [M, N] (y_kind) = x [M, K] (x_kind, rounded to bfloat16) W^T from torch's packed
+ * codes and scale_zero; N a multiple of 64, K of 32. parallel: the 64-output blocks shared
+ * out over torch's threads (the library binds to torch's libgomp, cpu_decode_attention.c),
+ * else on the calling thread. Returns 1 if scratch could not be had. */
+int kvscope_int4_gemm(void *y, int y_kind, const void *x, int x_kind, const uint8_t *codes,
+                      const uint16_t *scale_zero, int64_t M, int64_t N, int64_t K,
+                      int parallel) {
+    if (M == 0) return 0;
+    float *xf = malloc(sizeof(float) * (size_t)(M * K));
+    if (!xf) return 1;
+    for (int64_t i = 0; i < M * K; i++)
+        xf[i] = x_kind == I4_F32 ? bf16_to_f32(f32_to_bf16(((const float *)x)[i]))
+                                 : bf16_to_f32(((const uint16_t *)x)[i]);
+    const int64_t blocks = N / BLOCK;
+    const size_t y_size = y_kind == I4_F32 ? 4 : 2;
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *c = codes + b * K * 32;
+        for (int64_t m = 0; m < M; m += MT_MAX) {
+            const int64_t mt = M - m < MT_MAX ? M - m : MT_MAX;
+            char *ym = (char *)y + (size_t)(m * N) * y_size;
+            if (mt <= 4) {
+                whole[mt](ym, y_kind, N, xf + m * K, K, c, scale_zero, b * BLOCK);
+            } else {
+                halves[mt - 5][0](ym, y_kind, N, xf + m * K, K, c, scale_zero, b * BLOCK);
+                halves[mt - 5][1](ym, y_kind, N, xf + m * K, K, c, scale_zero, b * BLOCK);
+            }
+        }
+    }
+    free(xf);
+    return 0;
+}

@@ -1,0 +1,77 @@
+"""kernels/cpu_int4.py (the native int4 matmul on torch's packed tensors) against torch's
+`_weight_int4pack_mm_for_cpu`, bit for bit, across its tiles (up to 6 rows a tile, 4 and 2
+output tiles of 16, 64-output blocks), and against float64 of the dequantized weights."""
+import pytest
+import torch
+
+from kvscope.engine.weight_formats import dequantize_int4, int4_mm, quantize_int4
+from kvscope.kernels import cpu_int4, native
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler here")
+
+
+def weight(n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    codes, scale_zero = quantize_int4(torch.randn(n, k, generator=g) / k ** 0.5)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    return codes, scale_zero, packed, scale_zero.to(torch.bfloat16)
+
+
+def rows(m, k, seed=1):
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 5, 6, 7, 12, 13, 33])
+@pytest.mark.parametrize("n,k", [(64, 32), (192, 96), (576, 64)])
+@pytest.mark.parametrize("parallel", [True, False])
+def test_native_gives_torchs_bits(m, n, k, parallel):
+    _, _, packed, sz = weight(n, k)
+    x = rows(m, k)
+    assert torch.equal(cpu_int4.native_int4(x, packed, sz, parallel),
+                       cpu_int4.torch_int4(x, packed, sz))
+
+
+def test_it_computes_the_dequantized_product():
+    codes, scale_zero, packed, sz = weight(128, 96)
+    x = rows(5, 96)
+    bf16_sz = scale_zero.to(torch.bfloat16).float()
+    want = x.double() @ dequantize_int4(codes, bf16_sz).double().T
+    got = cpu_int4.native_int4(x, packed, sz).double()
+    # float32 sums of 96 products, then the output's bfloat16 rounding (2^-8 relative)
+    assert (got - want).abs().max() <= 2 ** -7 * want.abs().max()
+
+
+def test_float32_rows_are_rounded_to_bfloat16_first():
+    _, _, packed, sz = weight(64, 64)
+    x = torch.randn(3, 64)
+    assert torch.equal(cpu_int4.native_int4(x, packed, sz),
+                       cpu_int4.native_int4(x.bfloat16(), packed, sz))
+
+
+def test_a_rows_result_does_not_depend_on_the_rest_of_the_call():
+    _, _, packed, sz = weight(192, 64)
+    x = rows(20, 64)
+    batch = cpu_int4.native_int4(x, packed, sz)
+    for i in (0, 4, 5, 6, 13, 19):
+        assert torch.equal(cpu_int4.native_int4(x[i:i + 1], packed, sz)[0], batch[i])
+
+
+def test_only_whole_64_output_blocks_are_taken():
+    assert cpu_int4.supports(128, 64)
+    assert not cpu_int4.supports(80, 64)
+    assert not cpu_int4.supports(128, 48)
+
+
+@pytest.mark.parametrize("impl", ["native", "native-serial", "torch"])
+def test_int4_mm_runs_whichever_was_chosen(impl, monkeypatch):
+    monkeypatch.setattr(cpu_int4, "implementation", lambda m, n, k: impl)
+    _, _, packed, sz = weight(128, 64)
+    x = rows(3, 64)
+    assert torch.equal(cpu_int4.int4_mm(x, packed, sz), cpu_int4.torch_int4(x, packed, sz))
+
+
+def test_the_int4_linear_gives_the_same_bits_through_the_chooser():
+    _, _, packed, sz = weight(128, 64)
+    x = torch.randn(5, 64)
+    want = cpu_int4.torch_int4(x.bfloat16(), packed, sz).float()
+    assert torch.equal(int4_mm(x, packed, sz), want)
