@@ -2,8 +2,9 @@
 matmuls on this machine, with the candidates' times, whether each was measured now or found
 in the per-machine cache, and the machine key they are valid for.
 
-It asks for the decisions a run of the model would ask for (each distinct dense weight
-shape at every row bucket up to the concurrency, the layers' weights also at the prefill
+It asks for the decisions a run of the model would ask for (each distinct weight shape,
+dense or 4-bit (int4 weights, and int8 ones, which are stored as two 4-bit halves), at every
+row bucket up to the concurrency, the layers' weights also at the prefill
 bucket; the LM head only ever sees one row per sequence), so the first run on a machine
 measures them and later runs print the cache. --remeasure-kernels measures them again (a
 choice made while the machine was busy shows a high load average in the table).
@@ -18,46 +19,77 @@ import torch
 from kvscope.benchmarks.timing import print_result
 
 
-def model_decisions(model: Any, concurrency: int) -> list[tuple[torch.Tensor, int]]:
-    """(weight, rows) of every decision the model's matmuls need up to `concurrency` rows."""
-    from kvscope.engine.weight_formats import DenseLinear
+def model_decisions(model: Any, concurrency: int) -> list[tuple[Any, int]]:
+    """(linear, rows) of every decision the model's matmuls need up to `concurrency` rows:
+    dense weights the native kernel takes, and 4-bit (and int8, stored as 4-bit) ones."""
     from kvscope.kernels import cpu_linear
 
     decode = sorted({cpu_linear.bucket(r) for r in range(1, concurrency + 1)})
     layers = [getattr(layer, n) for layer in model.layers
               for n in ("qkv", "o_proj", "gate_up", "down")]
-    out: list[tuple[torch.Tensor, int]] = []
-    seen: set[tuple[torch.dtype, tuple[int, ...]]] = set()
+    out: list[tuple[Any, int]] = []
+    seen: set[tuple[object, ...]] = set()
     for lin, buckets in [(x, [*decode, cpu_linear.TOP_BUCKET]) for x in layers] + [
             (model.lm_head, decode)]:
-        if not (isinstance(lin, DenseLinear) and lin.native):
-            continue
-        shape = (lin.weight.dtype, tuple(lin.weight.shape))
-        if shape not in seen:
+        shape = _decision_shape(lin)
+        if shape is not None and shape not in seen:
             seen.add(shape)
-            out += [(lin.weight, b) for b in sorted(set(buckets))]
+            out += [(lin, b) for b in sorted(set(buckets))]
     return out
+
+
+def _decision_shape(lin: Any) -> tuple[object, ...] | None:
+    """What a decision for this linear is keyed by, or None: no choice is made for it."""
+    from kvscope.engine.weight_formats import DenseLinear, Int4Linear, Int8Linear
+    from kvscope.kernels import cpu_int4
+
+    if isinstance(lin, DenseLinear) and lin.native:
+        return (lin.weight.dtype, tuple(lin.weight.shape))
+    if isinstance(lin, Int4Linear | Int8Linear):
+        n, k = lin.scale_zero.shape[1], lin.in_features
+        return ("int4", n, k) if cpu_int4.supports(n, k) else None
+    return None
+
+
+def _name(lin: Any, rows: int) -> str:
+    """The chooser's name for the decision of `rows` rows through this linear."""
+    from kvscope.engine.weight_formats import DenseLinear
+    from kvscope.kernels import cpu_int4, cpu_linear
+
+    if not isinstance(lin, DenseLinear):
+        return cpu_int4.decision_name(rows, lin.scale_zero.shape[1], lin.in_features)
+    w, threads = lin.weight, torch.get_num_threads()
+    label = f"{rows}+" if rows == cpu_linear.TOP_BUCKET else f"<={rows}"
+    dtype = str(w.dtype).removeprefix("torch.")
+    return f"linear {dtype} {w.shape[0]}x{w.shape[1]} rows{label} threads={threads}"
+
+
+def _ask(lin: Any, rows: int) -> None:
+    """Make the decision for `rows` rows through this linear, unless it is made already."""
+    from kvscope.engine.weight_formats import DenseLinear
+    from kvscope.kernels import cpu_int4, cpu_linear
+
+    if isinstance(lin, DenseLinear):
+        w = lin.weight
+        cpu_linear.implementation(torch.randn(rows, w.shape[1]).to(w.dtype), w)
+        return
+    n, k = lin.scale_zero.shape[1], lin.in_features
+    if cpu_int4.implementation(rows, n, k) is None:
+        cpu_int4.int4_mm(torch.randn(rows, k).to(torch.bfloat16), lin.packed, lin.scale_zero)
 
 
 def decide(model: Any, concurrency: int, remeasure: bool) -> dict[str, Any]:
     """Ask for each decision (measuring what the cache lacks); the report dict."""
-    from kvscope.kernels import cpu_linear, kernel_choice
+    from kvscope.kernels import kernel_choice
 
     chooser = kernel_choice.default()
     asked = model_decisions(model, concurrency)
-    threads = torch.get_num_threads()
-
-    def name(w: torch.Tensor, rows: int) -> str:
-        dtype = str(w.dtype).removeprefix("torch.")
-        label = f"{rows}+" if rows == cpu_linear.TOP_BUCKET else f"<={rows}"
-        return f"linear {dtype} {w.shape[0]}x{w.shape[1]} rows{label} threads={threads}"
-
-    names = [name(w, rows) for w, rows in asked]
+    names = [_name(lin, rows) for lin, rows in asked]
     if remeasure:
         chooser.forget(names)
     with torch.inference_mode():
-        for w, rows in asked:
-            cpu_linear.implementation(torch.randn(rows, w.shape[1]).to(w.dtype), w)
+        for lin, rows in asked:
+            _ask(lin, rows)
     table = {d.name: d for d in chooser.table()}
     return {
         "machine": chooser.key,

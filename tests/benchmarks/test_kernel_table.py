@@ -79,3 +79,18 @@ def test_the_table_names_the_cpu_and_each_decision(tiny, capsys, fake_chooser):
     out = capsys.readouterr().out
     assert out.startswith("CPU ") and "torch ms" in out and "native ms" in out
     assert "64x64" in out and "measured" in out and "choice" in out
+
+
+def test_4bit_weights_choose_between_torch_and_the_native_int4_kernel(tiny, capsys,
+                                                                       fake_chooser):
+    got = kernels(tiny, capsys, "--weights", "int4")
+    int4 = [d for d in got["decisions"] if d["op"] == "int4"]
+    # the layers' four shapes at each decode bucket and prefill; the head (256x64) is int8,
+    # stored as 512 rows of 4-bit halves, and sees decode rows only
+    assert {(d["shape"], d["rows"]) for d in int4} == {
+        (s, r) for s in ("128x64", "64x64", "256x64", "64x128")
+        for r in ("<=1", "<=2", "<=4", "256+")} | {("512x64", r) for r in ("<=1", "<=2", "<=4")}
+    assert all(set(d["times_ms"]) == {"torch", "native", "native-serial"} for d in int4)
+    assert {d["choice"] for d in int4} == {"torch"}  # the fake timings' fastest
+    again = kernels(tiny, capsys, "--weights", "int4")
+    assert {d["source"] for d in again["decisions"] if d["op"] == "int4"} == {"cached"}
