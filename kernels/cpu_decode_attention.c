@@ -435,6 +435,96 @@ static void merge_spans(float *out, const float *part, int64_t spans, int64_t st
     }
 }
 
+/* Rows that read the same positions through the same blocks (a speculative verify's 1 + K
+ * rows of one sequence; sequences sharing a cached prefix) need not each load those
+ * positions' K and V: a full span that is not the last of any of them is attended once for
+ * all their query heads together, as one larger group, up to MAX_GROUP heads at a time. Each
+ * query head's arithmetic in span_head64 and span_head does not depend on the group it is in,
+ * so every row gets the bits it would get alone (tests/kernels/test_cpu_attention.py). */
+typedef struct {
+    int64_t row0, rows, k;  /* rows row0 .. row0 + rows - 1, span k of each */
+} shared_span;
+
+/* Whether rows a and b read their first `blocks` blocks from the same blocks, with the same
+ * anchor rows. */
+static int same_blocks(const int64_t *tables, int64_t stride, const int64_t *anchor_idx,
+                       int64_t a, int64_t b, int64_t blocks) {
+    if (anchor_idx && anchor_idx[a] != anchor_idx[b]) return 0;
+    return memcmp(tables + a * stride, tables + b * stride, sizeof(int64_t) * (size_t)blocks) == 0;
+}
+
+/* The shared spans of rows [first, last): runs of consecutive rows with the same blocks,
+ * cut into sets of at most `per` rows, times each span the run's rows all have before their
+ * last. covered[i - first]: how many leading spans of row i a shared span computes. Returns
+ * the count written to *out (malloc'd; NULL when none), -1 when out of memory. */
+static int64_t find_shared_spans(shared_span **out, int64_t *covered, const int64_t *tables,
+                                 int64_t stride, const int64_t *lens, const int64_t *anchor_idx,
+                                 int64_t first, int64_t last, int64_t span, int64_t block_size,
+                                 int64_t per) {
+    int64_t n = 0, cap = 0;
+    shared_span *got = NULL;
+    for (int64_t a = first; a < last;) {
+        int64_t b = a + 1, shortest = lens[a];
+        for (; b < last; b++) {
+            int64_t m = lens[b] < shortest ? lens[b] : shortest;
+            /* a shorter row joins a run of two or more only if the run keeps its spans */
+            if (m <= span || (b - a >= 2 && (m - 1) / span < (shortest - 1) / span)) break;
+            if (!same_blocks(tables, stride, anchor_idx, a, b, (m - 1) / span * span / block_size))
+                break;
+            shortest = m;
+        }
+        const int64_t rows = b - a, spans = (shortest - 1) / span;
+        covered[a - first] = 0;
+        if (rows < 2 || spans < 1 || per < 2) {
+            a++;
+            continue;
+        }
+        const int64_t sets = (rows + per - 1) / per;
+        if (n + sets * spans > cap) {
+            cap = 2 * (n + sets * spans);
+            shared_span *grown = realloc(got, sizeof(shared_span) * (size_t)cap);
+            if (!grown) {
+                free(got);
+                return -1;
+            }
+            got = grown;
+        }
+        for (int64_t t = 0, row0 = a; t < sets; t++) {
+            const int64_t size = rows / sets + (t < rows % sets);
+            for (int64_t k = 0; k < spans; k++) got[n++] = (shared_span){row0, size, k};
+            row0 += size;
+        }
+        for (int64_t i = a; i < b; i++) covered[i - first] = spans;
+        a = b;
+    }
+    *out = got;
+    return n;
+}
+
+/* A shared span's query heads [rows * group, d] gathered (and widened) into q. */
+static void gather_queries(float *q, const void *query, const int64_t *rows, int64_t row0,
+                           int64_t count, int64_t num_heads, int64_t h, int64_t group,
+                           int64_t d, int io_bf16) {
+    for (int64_t r = 0; r < count; r++) {
+        const int64_t at = (rows[row0 + r] * num_heads + h * group) * d;
+        if (io_bf16) widen_bf16(q + r * group * d, (const uint16_t *)query + at, group * d);
+        else memcpy(q + r * group * d, (const float *)query + at, sizeof(float) * (size_t)(group * d));
+    }
+}
+
+/* A shared span's (acc, m, l) [rows * group ...] written to each row's part slot for span k,
+ * as the row's own span would have written it. */
+static void scatter_span(float *part, const int64_t *first_item, int64_t first, shared_span s,
+                         int64_t h, int64_t num_kv_heads, int64_t stride, const float *acc,
+                         const float *m, const float *l, int64_t group, int64_t d) {
+    for (int64_t r = 0; r < s.rows; r++) {
+        float *p = part + ((first_item[s.row0 + r - first] + s.k) * num_kv_heads + h) * stride;
+        memcpy(p, acc + r * group * d, sizeof(float) * (size_t)(group * d));
+        memcpy(p + group * d, m + r * group, sizeof(float) * (size_t)group);
+        memcpy(p + group * d + group, l + r * group, sizeof(float) * (size_t)group);
+    }
+}
+
 /* Sequences [first, last) of the batch. query/out: [*, num_heads, head_dim], float32, or
  * bfloat16 when io_bf16 (converted here, in the work item, rather than by two more torch ops
  * per layer); caches: [num_blocks, block_size, num_kv_heads, head_dim]; scales (1-byte
@@ -486,29 +576,65 @@ int kvscope_paged_decode(void *out, const void *query, const int64_t *rows,
     /* per cut span and KV head: acc [group, d], m [group], l [group] */
     const int64_t stride = group * (d + 2);
     float *part = cut ? malloc(sizeof(float) * (size_t)(items * num_kv_heads * stride)) : NULL;
-    if (cut && !part) {
+    int64_t *covered = calloc((size_t)seqs + 1, sizeof(int64_t));
+    shared_span *shared = NULL;
+    const int64_t per = MAX_GROUP / group;  /* rows in one shared span */
+    int64_t nshared = !covered || window > 0 ? 0
+        : find_shared_spans(&shared, covered, tables, table_stride, lens, anchor_idx, first,
+                            last, span, block_size, per);
+    if ((cut && !part) || !covered || nshared < 0) {
+        free(part);
+        free(covered);
         free(first_item);
         return 1;
     }
+    const int64_t widest_group = nshared ? per * group : group;  /* query heads in one call */
     span_fn attend = pick(kind, d, group);
     int failed = 0;
-#pragma omp parallel if (parallel && items > 1) reduction(| : failed)
+#pragma omp parallel if (parallel && nshared + items > 1) reduction(| : failed)
     {
-        /* scores [group, widest], row [d], acc, m, l and, for bfloat16 rows, q and out
-         * [group, d] each */
-        size_t floats = (size_t)(group * widest + d + 3 * group * d + 2 * group);
+        /* scores [heads, widest], row [d], acc, m, l and, for bfloat16 rows (or a shared
+         * span's gathered heads), q and out [heads, d] each, heads up to widest_group */
+        const int64_t gw = widest_group;
+        size_t floats = (size_t)(gw * widest + d + 3 * gw * d + 2 * gw);
         float *scores = malloc(sizeof(float) * floats);
         if (!scores) failed = 1;
-        float *row = scores ? scores + group * widest : NULL;
-        float *acc = row ? row + d : NULL, *qf = acc ? acc + group * d : NULL;
-        float *of = qf ? qf + group * d : NULL, *ml = of ? of + group * d : NULL;
+        float *row = scores ? scores + gw * widest : NULL;
+        float *acc = row ? row + d : NULL, *qf = acc ? acc + gw * d : NULL;
+        float *of = qf ? qf + gw * d : NULL, *ml = of ? of + gw * d : NULL;
         int64_t i = first;  /* the sequence of item w: items are in sequence order */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t w = 0; w < items; w++) {
+        for (int64_t v = 0; v < nshared + items; v++) {
             if (!scores) continue;
+            if (v < nshared) {
+                const shared_span sh = shared[v];
+                const int64_t heads = sh.rows * group, c0 = sh.k * span;
+                span_fn attend_all = pick(kind, d, heads);
+                for (int64_t h = 0; h < num_kv_heads; h++) {
+                    gather_queries(qf, query, rows, sh.row0, sh.rows, num_heads, h, group, d,
+                                   io_bf16);
+                    const float *ak = NULL, *av = NULL;
+                    int64_t na = 0;
+                    if (anchor_idx && anchor_idx[sh.row0] >= 0) {
+                        int64_t base = (anchor_idx[sh.row0] * anchor_len * num_kv_heads + h) * d;
+                        ak = anchor_k + base;
+                        av = anchor_v + base;
+                        na = anchor_len;  /* the span ends before every row's length */
+                    }
+                    attend_all((span_out){acc, ml, ml + heads}, qf, tables + sh.row0 * table_stride,
+                               c0, c0 + span, k_cache, v_cache, k_scale, v_scale, h, heads,
+                               num_kv_heads, d, block_size, sm_scale, scores, row, ak, av, na,
+                               softcap);
+                    scatter_span(part, first_item, first, sh, h, num_kv_heads, stride, acc, ml,
+                                 ml + heads, group, d);
+                }
+                continue;
+            }
+            const int64_t w = v - nshared;
             while (first_item[i - first + 1] <= w) i++;
             while (first_item[i - first] > w) i--;
             const int64_t k = w - first_item[i - first];
+            if (k < covered[i - first]) continue;  /* a shared span computed it */
             const int64_t spans = first_item[i - first + 1] - first_item[i - first];
             const int64_t lo = window > 0 && lens[i] > window ? lens[i] - window : 0;
             const int64_t c0 = k == 0 ? lo : (lo / span + k) * span;
@@ -561,6 +687,8 @@ int kvscope_paged_decode(void *out, const void *query, const int64_t *rows,
         }
         free(scores);
     }
+    free(shared);
+    free(covered);
     free(part);
     free(first_item);
     return failed;

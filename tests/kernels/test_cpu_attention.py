@@ -122,3 +122,55 @@ def test_a_rows_result_does_not_depend_on_the_rest_of_the_batch(dtype):
         alone = cpu_attention.paged_attention_cpu(query[i:i + 1], kc, vc, alone_meta, 0.125,
                                                   ks, vs)
         assert torch.equal(alone, batched[i:i + 1]), f"row {i} (context {ctx_lens[i]})"
+
+
+def _rows_of(tables: torch.Tensor, owners: list[int], lens: list[int]):
+    """Metadata of one-query rows, row r reading sequence owners[r]'s table up to lens[r]."""
+    from kvscope.kernels.attention_ref import AttentionMetadata
+
+    index = torch.tensor(owners, dtype=torch.long)
+    return AttentionMetadata(list(range(len(owners) + 1)), lens, tables.index_select(0, index),
+                             torch.zeros(0, dtype=torch.long), [], [])
+
+
+@pytest.mark.parametrize("dtype,io", [(torch.float32, torch.float32),
+                                      (torch.float32, torch.bfloat16),
+                                      (torch.int8, torch.float32),
+                                      (torch.float8_e4m3fn, torch.bfloat16)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size",
+                         [(9, 3, 64, 16), (8, 2, 64, 1), (4, 4, 32, 16)])
+def test_rows_sharing_their_blocks_keep_the_bits_they_get_alone(dtype, io, heads, kv_heads,
+                                                               head_dim, block_size):
+    """A verify's rows (one sequence, consecutive positions) and rows of sequences that share
+    cached blocks read those blocks' full spans once for all of them (the kernel's shared
+    spans, up to 16 query heads at a time: 5 rows of 3, 4 of 4, 4 of 1 here, so 7 rows make
+    two sets). Each row must still get exactly the bits of its decode alone."""
+    ctx = [1300, 900]
+    _, kc, vc, meta, _ = build_batch([1, 1], ctx, block_size, heads, kv_heads, head_dim,
+                                     num_blocks=2300 // block_size + 4, seed=3)
+    tables = meta.block_tables.clone()
+    # sequence 2 shares sequence 0's first 608 positions' blocks (a cached prefix), then
+    # goes on in blocks of its own (here 1's)
+    shared = 608 // block_size
+    tables = torch.cat([tables, tables[:1]])
+    tables[2, shared:] = tables[1, :tables.shape[1] - shared]
+    # 7 verify-like rows of 0; two of 2, which would cut 0's five shared spans to two and so
+    # go on their own; 1; then 0 and 2 at 1000 and 702, whose first two spans are the same
+    owners = [0] * 7 + [2] * 2 + [1] + [0, 2]
+    lens = [1290 + r for r in range(7)] + [700, 701, 900, 1000, 702]
+    rows = _rows_of(tables, owners, lens)
+    query = torch.randn(len(owners), heads, head_dim, generator=torch.Generator().manual_seed(4))
+    query = query.to(io)
+    ks = vs = None
+    if dtype != torch.float32:
+        (kc, ks), (vc, vs) = quantize(kc, dtype), quantize(vc, dtype)
+    together = cpu_attention.paged_attention_cpu(query, kc, vc, rows, 0.125, ks, vs)
+    for r in range(len(owners)):
+        alone = cpu_attention.paged_attention_cpu(
+            query[r:r + 1], kc, vc, _rows_of(tables, [owners[r]], [lens[r]]), 0.125, ks, vs)
+        assert torch.equal(alone, together[r:r + 1]), f"row {r} (owner {owners[r]})"
+    if dtype == torch.float32:
+        want = reference(query.float(), kc, vc, rows, tables.index_select(
+            0, torch.tensor(owners)).tolist(), 0.125)
+        torch.testing.assert_close(together.double(), want, rtol=2e-2 if io != dtype else 1e-5,
+                                   atol=2e-2 if io != dtype else 1e-5)
