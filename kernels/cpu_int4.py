@@ -5,7 +5,7 @@ Both compute the same chain for every output (bfloat16 input, each weight (code 
 scale + zero from a bfloat16 scale and zero per 32 inputs, float32 sums in input order,
 bfloat16 output), so the choice between them is speed alone, measured per weight shape, row
 bucket and thread count on first use (kernels.kernel_choice). torch's kernel pays the
-dequantization again every few rows and the native one shares it over up to 6, so the
+dequantization again every few rows and the native one shares it over up to 12, so the
 native one tends to win at the 2-16 rows of a batched decode or a speculative verify and
 torch's at one row; which, where, is this machine's measurement.
 """

@@ -8,7 +8,7 @@
  *
  * Why: torch's kernel pays the dequantization again for every few input rows; 5 rows (a
  * speculative verify of 4 drafts) cost 2.5-3.5x one row on the SmolLM2 shapes. Here a tile
- * of up to 6 rows shares each dequantized weight from registers.
+ * of up to 12 rows shares each dequantized weight from registers.
  *
  * torch's CPU layout (as `_convert_weight_to_int4pack_for_cpu(codes, 1)` writes it, for
  * N a multiple of 64): blocks of 64 outputs, [N / 64, K, 32] bytes, byte j of input k
@@ -31,7 +31,7 @@ typedef uint8_t v16ub __attribute__((vector_size(16)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 
 enum { I4_F32 = 0, I4_BF16 = 1 };
-#define MT_MAX 6
+#define MT_MAX 12
 #define GROUP 32
 #define BLOCK 64
 
@@ -105,14 +105,18 @@ static inline __attribute__((always_inline)) void store_out(void *y, int y_kind,
                 store_out(y, y_kind, m * N + n0 + 16 * (H0 + j / 2) + 32 * (j % 2),         \
                           acc[m][j]);                                                       \
     }
-/* Up to 4 rows take the block's 4 tiles at once; 5 and 6 rows its halves one after the
- * other (their accumulators and scales stay within 32 vector registers). */
+/* Up to 4 rows take the block's 4 tiles at once; 5 to MT_MAX rows its halves one after the
+ * other (2 accumulators a row, plus 2 scales, 2 zeros and 2 weights: within 32 vector
+ * registers up to 12 rows; the input is a broadcast memory operand). */
+#define HALVES(MT) TILES(MT, 0, lo) TILES(MT, 1, hi)
 TILES(1, -1, all) TILES(2, -1, all) TILES(3, -1, all) TILES(4, -1, all)
-TILES(5, 0, lo) TILES(5, 1, hi) TILES(6, 0, lo) TILES(6, 1, hi)
+HALVES(5) HALVES(6) HALVES(7) HALVES(8) HALVES(9) HALVES(10) HALVES(11) HALVES(12)
 typedef void (*rows_fn)(void *, int, int64_t, const float *, int64_t, const uint8_t *,
                         const uint16_t *, int64_t);
 static const rows_fn whole[] = {0, rows_1_all, rows_2_all, rows_3_all, rows_4_all};
-static const rows_fn halves[][2] = {{rows_5_lo, rows_5_hi}, {rows_6_lo, rows_6_hi}};
+#define PAIR(MT) {rows_##MT##_lo, rows_##MT##_hi}
+static const rows_fn halves[][2] = {PAIR(5), PAIR(6), PAIR(7), PAIR(8), PAIR(9), PAIR(10),
+                                    PAIR(11), PAIR(12)};
 
 /* y [M, N] (y_kind) = x [M, K] (x_kind, rounded to bfloat16) W^T from torch's packed
  * codes and scale_zero; N a multiple of 64, K of 32. parallel: the 64-output blocks shared
@@ -132,8 +136,10 @@ int kvscope_int4_gemm(void *y, int y_kind, const void *x, int x_kind, const uint
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *c = codes + b * K * 32;
-        for (int64_t m = 0; m < M; m += MT_MAX) {
-            const int64_t mt = M - m < MT_MAX ? M - m : MT_MAX;
+        /* row tiles of as even a size as MT_MAX allows (16 rows: 8 and 8, not 12 and 4) */
+        const int64_t tiles = (M + MT_MAX - 1) / MT_MAX, size = (M + tiles - 1) / tiles;
+        for (int64_t m = 0; m < M; m += size) {
+            const int64_t mt = M - m < size ? M - m : size;
             char *ym = (char *)y + (size_t)(m * N) * y_size;
             if (mt <= 4) {
                 whole[mt](ym, y_kind, N, xf + m * K, K, c, scale_zero, b * BLOCK);
