@@ -186,10 +186,7 @@ def run(args: argparse.Namespace) -> dict:
                 f"({row['speedup']:.2f}x, acceptance length {row['acceptance_length']:.2f})")
             rows.append(row)
         results["workloads"][workload] = rows
-    results["backoff"] = {str(b): {"plain_tok_s": r.per_second} for b, r in
-                          engines["on"].engine.spec.backoff.plain.items()}
-    for b, r in engines["on"].engine.spec.backoff.spec.items():
-        results["backoff"].setdefault(str(b), {})["spec_tok_s"] = r.per_second
+    results["backoff"] = engines["on"].engine.spec.backoff.summary()
     quote = [template(tok, m) for m in prompts_for("quote", 1)][0]
     results["llama_cpp"] = llama_cpp(args, len(quote))
     return results

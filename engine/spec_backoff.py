@@ -1,15 +1,20 @@
-"""When speculation pays: measured per batch size, never assumed.
+"""When speculation pays: measured per batch size and per request, never assumed.
 
-For every batch-size bucket (1, 2, 3-4, 5-8, ...) the engine keeps two moving averages of
-pure-decode steps, tokens emitted per second with drafts and without. A step speculates
-when its bucket's measured rate with drafts is at least the rate without; while either side
-of a bucket has too few samples, or now and then (every 16th step plain while drafts win,
-every 64th step with drafts while they lose: a losing probe costs a step), the other choice
-is tried so both estimates stay current (load, acceptance and the machine all drift). The acceptance
-rate is inside the measured rate: tokens per verify step are 1 + accepted drafts per
-request, and the step's time includes the verify's extra query tokens, so a workload whose
-drafts are rejected, or a batch large enough that the extra tokens stop being free, backs
-off by itself.
+Two things decide whether a request's drafts pay, and they vary on different scales:
+- what a verify costs, which depends on the machine and the batch size: per batch-size
+  bucket (1, 2, 3-4, 5-8, ...) the engine keeps moving averages of a pure-decode step's
+  seconds without drafts, and of a drafting step's seconds and how many requests drafted in
+  it, so the extra seconds one request's verify rows add to a step;
+- what a draft brings, which depends on the request (a quote is copied, an open chat is not)
+  and on where in its reply it is (a model paraphrases its first sentence, then copies): per
+  request, a moving average of its tokens per verify (1 + accepted drafts).
+
+A request drafts when its drafts are expected to bring more tokens than the plain steps
+could make in the seconds they cost: 1 + accepted >= 1 + extra seconds x (batch size /
+plain step seconds). Before a bucket has been measured both ways every request drafts,
+then a few steps run plain; afterwards every 16th step runs plain (the plain side follows
+the load), and a request whose drafts stopped paying drafts again after 16 steps without,
+so its estimate follows its reply. A step in which no request drafts is a plain step.
 """
 from __future__ import annotations
 
@@ -17,11 +22,13 @@ from dataclasses import dataclass, field
 
 MIN_SAMPLES = 4
 ALPHA = 0.2  # weight of a new step in the moving averages
+ACCEPT_ALPHA = 0.3  # weight of a request's newest verify in its acceptance average
 
 
 @dataclass(slots=True)
 class Rate:
-    """Moving averages of one bucket's steps: tokens emitted and seconds, per step."""
+    """Moving averages of one bucket's steps: a count per step (tokens emitted, or requests
+    that drafted) and seconds per step."""
     samples: int = 0
     tokens: float = 0.0
     seconds: float = 0.0
@@ -39,13 +46,26 @@ class Rate:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
+@dataclass(slots=True)
+class Acceptance:
+    """One request's tokens per verify (moving average; None before its first verify) and
+    its decode steps since it last drafted."""
+    tokens_per_verify: float | None = None
+    waited: int = 0
+
+    def verified(self, tokens: int) -> None:
+        t = self.tokens_per_verify
+        self.tokens_per_verify = float(tokens) if t is None else t + ACCEPT_ALPHA * (tokens - t)
+        self.waited = 0
+
+
 @dataclass
 class BackOff:
     enabled: bool = True
     probe_plain_every: int = 16
-    probe_spec_every: int = 64
-    plain: dict[int, Rate] = field(default_factory=dict)
-    spec: dict[int, Rate] = field(default_factory=dict)
+    probe_request_every: int = 16
+    plain: dict[int, Rate] = field(default_factory=dict)  # tokens: emitted per step
+    spec: dict[int, Rate] = field(default_factory=dict)  # tokens: requests that drafted
     _steps: dict[int, int] = field(default_factory=dict)
 
     @staticmethod
@@ -54,6 +74,7 @@ class BackOff:
         return 1 << max(0, batch_size - 1).bit_length()
 
     def should_speculate(self, batch_size: int) -> bool:
+        """Whether this step may draft at all (which requests do: `pays`)."""
         if not self.enabled:
             return True
         b = self.bucket(batch_size)
@@ -63,18 +84,47 @@ class BackOff:
             return True
         if plain is None or plain.samples < MIN_SAMPLES:
             return False
-        if spec.per_second >= plain.per_second:
-            return n % self.probe_plain_every != 0
-        return n % self.probe_spec_every == 0
+        return n % self.probe_plain_every != 0
 
-    def record(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
-        table = self.spec if speculated else self.plain
-        table.setdefault(self.bucket(batch_size), Rate()).add(tokens, seconds)
-
-    def speedup(self, batch_size: int) -> float | None:
-        """Measured tok/s with drafts over without at this batch size (None: not measured)."""
+    def threshold(self, batch_size: int) -> float | None:
+        """The tokens per verify a request's drafts must bring at this batch size to pay for
+        their verify rows; None until the bucket is measured both ways."""
         b = self.bucket(batch_size)
         plain, spec = self.plain.get(b), self.spec.get(b)
-        if not plain or not spec or not plain.per_second:
+        if (plain is None or spec is None or plain.samples < MIN_SAMPLES
+                or spec.samples < MIN_SAMPLES or plain.seconds <= 0 or spec.tokens <= 0):
             return None
-        return spec.per_second / plain.per_second
+        extra = max(0.0, spec.seconds - plain.seconds) / spec.tokens
+        return 1.0 + extra * batch_size / plain.seconds
+
+    def pays(self, batch_size: int, acceptance: Acceptance) -> bool:
+        """Whether this request drafts in this step; counts the steps it waits."""
+        if not self.enabled:
+            return True
+        limit = self.threshold(batch_size)
+        got = acceptance.tokens_per_verify
+        if limit is None or got is None or got >= limit \
+                or acceptance.waited + 1 >= self.probe_request_every:
+            return True
+        acceptance.waited += 1
+        return False
+
+    def record(self, batch_size: int, drafted: int, tokens: int, seconds: float) -> None:
+        """A pure-decode step: `drafted` requests verified drafts, `tokens` came out."""
+        b = self.bucket(batch_size)
+        if drafted:
+            self.spec.setdefault(b, Rate()).add(drafted, seconds)
+        else:
+            self.plain.setdefault(b, Rate()).add(tokens, seconds)
+
+    def summary(self) -> dict[str, dict[str, float | None]]:
+        """Per measured bucket: the plain step's and a drafting step's milliseconds, the
+        requests that drafted per drafting step, and the threshold (benchmarks print it)."""
+        out: dict[str, dict[str, float | None]] = {}
+        for b in sorted(set(self.plain) | set(self.spec)):
+            plain, spec = self.plain.get(b), self.spec.get(b)
+            out[str(b)] = {"plain_step_ms": plain.seconds * 1e3 if plain else None,
+                           "draft_step_ms": spec.seconds * 1e3 if spec else None,
+                           "drafting_requests": spec.tokens if spec else None,
+                           "threshold": self.threshold(b)}
+        return out

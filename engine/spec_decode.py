@@ -33,7 +33,7 @@ from kvscope.engine.outputs import TokenDelta
 from kvscope.engine.sampler import sample
 from kvscope.engine.scheduler import ScheduledSeq
 from kvscope.engine.sequence import Sequence
-from kvscope.engine.spec_backoff import BackOff
+from kvscope.engine.spec_backoff import Acceptance, BackOff
 from kvscope.engine.spec_ngram import TokenBuffer, propose
 from kvscope.engine.spec_verify import accept_greedy, accept_sampled
 
@@ -86,6 +86,7 @@ class SpecDecoder:
         self.last_step: list[Verified] = []  # the last step's verifies
         self._buffers: dict[Sequence, TokenBuffer] = {}
         self._per_request: dict[Sequence, tuple[int, int]] = {}  # (drafts, accepted)
+        self._acceptance: dict[Sequence, Acceptance] = {}  # the back-off's, per request
         # Blocks that held drafted-and-rolled-back slots since the last blocks frame took them.
         self.rolled_back_blocks: set[int] = set()
         self._t0 = 0.0
@@ -122,6 +123,8 @@ class SpecDecoder:
             seq = item.seq
             if not seq.params.speculative or not _is_decode(item):
                 continue
+            if not self.backoff.pays(len(batch), self._acceptance_of(seq)):
+                continue
             n = len(seq.token_ids)
             k = min(self.k, budget, seq.params.max_tokens - seq.num_output_tokens - 1,
                     max_model_len - n)
@@ -150,11 +153,19 @@ class SpecDecoder:
             buf = self._buffers[seq] = TokenBuffer()
         return buf
 
+    def _acceptance_of(self, seq: Sequence) -> Acceptance:
+        got = self._acceptance.get(seq)
+        if got is None:
+            got = self._acceptance[seq] = Acceptance()
+        return got
+
     def _prune(self) -> None:
         if len(self._buffers) > 64 and any(s.is_finished for s in self._buffers):
             self._buffers = {s: b for s, b in self._buffers.items() if not s.is_finished}
             self._per_request = {s: c for s, c in self._per_request.items()
                                  if not s.is_finished}
+        if len(self._acceptance) > 64:
+            self._acceptance = {s: a for s, a in self._acceptance.items() if not s.is_finished}
 
     def abandon(self, batch: list[ScheduledSeq], bm: BlockManager) -> None:
         """Take this step's drafts back out (the forward failed): as if never drafted."""
@@ -205,6 +216,7 @@ class SpecDecoder:
         self._count(len(draft), accepted)
         drafts_so_far, accepted_so_far = self._per_request.get(seq, (0, 0))
         self._per_request[seq] = (drafts_so_far + 1, accepted_so_far + accepted)
+        self._acceptance_of(seq).verified(len(tokens))
         bm = engine.block_manager
         bs = bm.block_size
         rolled = [seq.block_table[p // bs] * bs + p % bs
@@ -258,7 +270,7 @@ class SpecDecoder:
     def end_step(self, num_tokens_out: int) -> None:
         """Time a pure-decode step for the back-off (mixed steps measure the prefill)."""
         if self._pure and self.enabled:
-            self.backoff.record(self._batch_size, bool(self.last_step), num_tokens_out,
+            self.backoff.record(self._batch_size, len(self.last_step), num_tokens_out,
                                 time.perf_counter() - self._t0)
 
 

@@ -1,0 +1,88 @@
+"""The speculative back-off's rule (engine/spec_backoff.py), driven with fake step timings:
+a bucket is measured both ways first, then a request drafts while its own tokens per verify
+pay for the seconds its verify rows add at that batch size, and probes again after a
+while when they do not."""
+from __future__ import annotations
+
+import pytest
+
+from kvscope.engine.spec_backoff import MIN_SAMPLES, Acceptance, BackOff
+
+
+def measured(plain_s: float, draft_s: float, drafting: int, batch: int = 1) -> BackOff:
+    b = BackOff()
+    for _ in range(MIN_SAMPLES):
+        b.record(batch, 0, batch, plain_s)
+        b.record(batch, drafting, batch + drafting, draft_s)
+    return b
+
+
+def test_a_bucket_is_measured_with_drafts_then_without_then_probed_plain():
+    b = BackOff()
+    decisions = []
+    for _ in range(2 * MIN_SAMPLES):
+        go = b.should_speculate(1)
+        decisions.append(go)
+        b.record(1, 1 if go else 0, 2 if go else 1, 0.03 if go else 0.02)
+    assert decisions == [True] * MIN_SAMPLES + [False] * MIN_SAMPLES
+    later = [b.should_speculate(1) for _ in range(64)]
+    assert later.count(False) == 4  # every 16th step runs plain, to follow the load
+
+
+def test_the_threshold_is_what_one_requests_verify_rows_cost_in_plain_tokens():
+    # one stream: a 20 ms decode, a 32 ms verify: the drafts must bring 0.6 tokens more
+    assert measured(0.020, 0.032, 1).threshold(1) == pytest.approx(1.6)
+    # 16 streams, a 100 ms step; 16 verifies make it 200 ms: 6.25 ms a request, which
+    # plain steps would have spent on 1 token: the drafts must bring one more
+    assert measured(0.100, 0.200, 16, batch=16).threshold(16) == pytest.approx(2.0)
+    # a verify cheaper than a plain step (noise) costs nothing
+    assert measured(0.020, 0.018, 1).threshold(1) == 1.0
+    assert BackOff().threshold(1) is None  # not measured: every request drafts
+    assert measured(0.020, 0.032, 1).threshold(2) is None  # another bucket
+
+
+def test_a_request_drafts_while_its_drafts_pay_and_probes_when_they_do_not():
+    b = measured(0.020, 0.032, 1)  # threshold 1.6
+    copying, paraphrasing, new = Acceptance(2.4), Acceptance(1.2), Acceptance()
+    assert b.pays(1, copying) and b.pays(1, new)
+    refused = [b.pays(1, paraphrasing) for _ in range(15)]
+    assert refused == [False] * 15 and paraphrasing.waited == 15
+    assert b.pays(1, paraphrasing)  # the 16th step: a probe
+    paraphrasing.verified(5)  # ... which found it copying now
+    assert paraphrasing.waited == 0 and paraphrasing.tokens_per_verify == pytest.approx(2.34)
+    assert b.pays(1, paraphrasing)
+
+
+def test_tokens_per_verify_is_a_moving_average_starting_at_the_first_verify():
+    a = Acceptance()
+    a.verified(1)
+    assert a.tokens_per_verify == 1.0
+    a.verified(5)
+    assert a.tokens_per_verify == pytest.approx(2.2)
+
+
+def test_disabled_it_always_drafts():
+    b = measured(0.020, 0.200, 1)
+    b.enabled = False
+    assert b.should_speculate(1) and b.pays(1, Acceptance(1.0))
+
+
+def test_over_a_simulated_load_only_the_requests_whose_drafts_pay_draft():
+    """Steps cost 10 ms + 1 ms per request, and 3 ms more per drafting request; eight
+    streams, half of them copying (4 tokens per verify), half not (1.1)."""
+    b = BackOff()
+    streams = [Acceptance() for _ in range(8)]
+    accept = [4] * 4 + [1] * 4  # tokens per verify, as the model would give them
+    drafted = [0] * 8
+    for step in range(400):
+        go = b.should_speculate(8)
+        drafting = [i for i, a in enumerate(streams) if go and b.pays(8, a)]
+        for i in drafting:
+            streams[i].verified(accept[i])
+            drafted[i] += step >= 100
+        b.record(8, len(drafting), 8 + sum(accept[i] - 1 for i in drafting),
+                 0.018 + 0.003 * len(drafting))
+    # the threshold: 1 + 3 ms x 8 / 18 ms = 2.33; copying pays, the rest probe 1 step in 16
+    assert b.threshold(8) == pytest.approx(1 + 0.003 * 8 / 0.018, rel=1e-6)
+    assert all(n >= 270 for n in drafted[:4])
+    assert all(n <= 300 / 16 + 1 for n in drafted[4:])
