@@ -119,7 +119,8 @@ class BackOff:
 
     def summary(self) -> dict[str, dict[str, float | None]]:
         """Per measured bucket: the plain step's and a drafting step's milliseconds, the
-        requests that drafted per drafting step, and the threshold (benchmarks print it)."""
+        requests that drafted per drafting step, and the threshold at the bucket's largest
+        batch size (benchmarks print it)."""
         out: dict[str, dict[str, float | None]] = {}
         for b in sorted(set(self.plain) | set(self.spec)):
             plain, spec = self.plain.get(b), self.spec.get(b)
