@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import os
 import queue
+import statistics
 import threading
 import time
 import traceback
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
@@ -59,11 +60,25 @@ STATS_INTERVAL = 0.1  # rates and percentiles move slowly: 10 Hz is plenty
 TOPIC_INTERVAL = {"stats": STATS_INTERVAL, "device": DEVICE_INTERVAL}  # others: 1/state_hz
 
 
+COST_SAMPLES = 8  # frame build costs remembered per topic
+
+
 @dataclass
 class _Published:
     at: float = float("-inf")  # monotonic time of the last frame
     version: int = 0  # state version it showed
     gap: float = 0.0  # least time to the next one
+    costs: deque = field(default_factory=lambda: deque(maxlen=COST_SAMPLES))
+
+    def spaced_after(self, cost: float, interval: float) -> None:
+        """Set the gap to the next frame from this frame's build cost (engine-thread CPU
+        seconds): the median of the last few costs, none until three are known. One slow
+        build (the first warms caches; a busy machine preempts the thread) must not leave
+        the map dark for seconds while a short reply runs; a pool that is costly to show
+        every time still gets fewer frames."""
+        self.costs.append(cost)
+        typical = statistics.median(self.costs) if len(self.costs) >= 3 else 0.0
+        self.gap = max(interval, typical / PUBLISH_BUDGET)
 
 
 class EngineServer:
@@ -406,19 +421,18 @@ class EngineServer:
         for topic, pub in self.published.items():
             if now < self._due(pub) or not self.io.wanted(topic):
                 continue
-            started = time.perf_counter()
+            started = time.thread_time()  # CPU time: waits for the GIL or a core are not cost
             frame = self._build(topic, self.topic_seq[topic] + 1)
             if frame is None:
                 continue
             payload = codec.encode(frame)
-            cost = time.perf_counter() - started
+            cost = time.thread_time() - started
             self.publish_s += cost
             self.topic_seq[topic] += 1
             self.state_sent += 1
             self.out.send_multipart([b"P", topic.encode(), payload], copy=False)
             pub.at, pub.version = now, self.version
-            pub.gap = max(TOPIC_INTERVAL.get(topic, self.state_interval),
-                          cost / PUBLISH_BUDGET)
+            pub.spaced_after(cost, TOPIC_INTERVAL.get(topic, self.state_interval))
 
     def _due(self, pub: _Published) -> float:
         return pub.at + (pub.gap if pub.version < self.version else max(pub.gap, HEARTBEAT_S))
