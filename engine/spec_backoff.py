@@ -14,7 +14,8 @@ could make in the seconds they cost: 1 + accepted >= 1 + extra seconds x (batch 
 plain step seconds). Before a bucket has been measured both ways every request drafts,
 then a few steps run plain; afterwards every 16th step runs plain (the plain side follows
 the load), and a request whose drafts stopped paying drafts again after 16 steps without,
-so its estimate follows its reply. A step in which no request drafts is a plain step.
+so its estimate follows its reply; after 32, 64, then 128 steps while its probes keep not
+paying. A step in which no request drafts is a plain step.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 MIN_SAMPLES = 4
 ALPHA = 0.2  # weight of a new step in the moving averages
 ACCEPT_ALPHA = 0.3  # weight of a request's newest verify in its acceptance average
+MAX_PROBE_DOUBLINGS = 3  # a request that keeps not paying probes every 16, 32, 64, 128 steps
 
 
 @dataclass(slots=True)
@@ -48,15 +50,19 @@ class Rate:
 
 @dataclass(slots=True)
 class Acceptance:
-    """One request's tokens per verify (moving average; None before its first verify) and
-    its decode steps since it last drafted."""
+    """One request's tokens per verify (moving average; None before its first verify), its
+    decode steps since it last drafted, and how many probes in a row found it not paying."""
     tokens_per_verify: float | None = None
     waited: int = 0
+    failed_probes: int = 0
+    probing: bool = False  # it drafts because it waited long enough, not because it pays
 
     def verified(self, tokens: int) -> None:
         t = self.tokens_per_verify
         self.tokens_per_verify = float(tokens) if t is None else t + ACCEPT_ALPHA * (tokens - t)
         self.waited = 0
+        if self.probing:  # counted failed until the next step finds it paying
+            self.failed_probes, self.probing = self.failed_probes + 1, False
 
 
 @dataclass
@@ -98,13 +104,19 @@ class BackOff:
         return 1.0 + extra * batch_size / plain.seconds
 
     def pays(self, batch_size: int, acceptance: Acceptance) -> bool:
-        """Whether this request drafts in this step; counts the steps it waits."""
+        """Whether this request drafts in this step; counts the steps it waits. A request
+        whose probes keep not paying waits twice as long before each next one: at 16 streams
+        a probe every 16 steps each is a drafting request in nearly every step."""
         if not self.enabled:
             return True
         limit = self.threshold(batch_size)
         got = acceptance.tokens_per_verify
-        if limit is None or got is None or got >= limit \
-                or acceptance.waited + 1 >= self.probe_request_every:
+        if limit is None or got is None or got >= limit:
+            acceptance.failed_probes, acceptance.probing = 0, False
+            return True
+        wait = self.probe_request_every << min(acceptance.failed_probes, MAX_PROBE_DOUBLINGS)
+        if acceptance.waited + 1 >= wait:  # due until it verifies (no n-gram match: no draft)
+            acceptance.probing = True
             return True
         acceptance.waited += 1
         return False

@@ -53,6 +53,42 @@ def test_a_request_drafts_while_its_drafts_pay_and_probes_when_they_do_not():
     assert b.pays(1, paraphrasing)
 
 
+def probe_gaps(b: BackOff, acceptance: Acceptance, probes: int, tokens: int) -> list[int]:
+    """Steps from one probe to the next while each probe brings `tokens` per verify."""
+    gaps, waited = [], 0
+    while len(gaps) < probes:
+        waited += 1
+        if b.pays(1, acceptance):
+            gaps.append(waited)
+            waited = 0
+            acceptance.verified(tokens)
+    return gaps
+
+
+def test_a_request_whose_probes_keep_failing_probes_less_often_until_one_pays():
+    b = measured(0.020, 0.032, 1)  # threshold 1.6
+    paraphrasing = Acceptance(1.0)
+    assert probe_gaps(b, paraphrasing, 5, tokens=1) == [16, 32, 64, 128, 128]
+    assert probe_gaps(b, paraphrasing, 1, tokens=5) == [128]  # this one finds it copying
+    assert paraphrasing.tokens_per_verify >= 1.6 and b.pays(1, paraphrasing)
+    paraphrasing.verified(1)  # it paraphrases again: probes start over at 16 steps
+    paraphrasing.verified(1)
+    assert probe_gaps(b, paraphrasing, 2, tokens=1) == [16, 32]
+
+
+def test_a_probe_that_drafted_nothing_is_not_a_failed_probe():
+    """No n-gram match means no verify: the request stays due, its wait does not double."""
+    b = measured(0.020, 0.032, 1)
+    a = Acceptance(1.0)
+    for _ in range(15):
+        assert not b.pays(1, a)
+    assert all(b.pays(1, a) for _ in range(5))  # due, nothing drafted five steps running
+    assert a.failed_probes == 0
+    a.verified(1)  # the probe's verify, which did not pay: the next wait is 32 steps
+    assert a.failed_probes == 1
+    assert [b.pays(1, a) for _ in range(32)].count(True) == 1
+
+
 def test_tokens_per_verify_is_a_moving_average_starting_at_the_first_verify():
     a = Acceptance()
     a.verified(1)
@@ -82,7 +118,8 @@ def test_over_a_simulated_load_only_the_requests_whose_drafts_pay_draft():
             drafted[i] += step >= 100
         b.record(8, len(drafting), 8 + sum(accept[i] - 1 for i in drafting),
                  0.018 + 0.003 * len(drafting))
-    # the threshold: 1 + 3 ms x 8 / 18 ms = 2.33; copying pays, the rest probe 1 step in 16
+    # the threshold: 1 + 3 ms x 8 / 18 ms = 2.33; copying pays, the rest probe less and less
     assert b.threshold(8) == pytest.approx(1 + 0.003 * 8 / 0.018, rel=1e-6)
     assert all(n >= 270 for n in drafted[:4])
-    assert all(n <= 300 / 16 + 1 for n in drafted[4:])
+    # probes back off to one in 128 steps: 16 + 32 + 64 + 128 = 240, so 1-2 of the last 300
+    assert all(n <= 2 for n in drafted[4:]), drafted
