@@ -2,9 +2,9 @@
 
 Two things decide whether a request's drafts pay, and they vary on different scales:
 - what a verify costs, which depends on the machine and the batch size: per batch-size
-  bucket (1, 2, 3-4, 5-8, ...) the engine keeps moving averages of a pure-decode step's
-  seconds without drafts, and of a drafting step's seconds and how many requests drafted in
-  it, so the extra seconds one request's verify rows add to a step;
+  bucket (1, 2, 3-4, 5-8, ...) the engine keeps the medians of recent pure-decode steps'
+  seconds without drafts, and of drafting steps' seconds and how many requests drafted in
+  them, so the extra seconds one request's verify rows add to a step;
 - what a draft brings, which depends on the request (a quote is copied, an open chat is not)
   and on where in its reply it is (a model paraphrases its first sentence, then copies): per
   request, a moving average of its tokens per verify (1 + accepted drafts).
@@ -19,29 +19,39 @@ paying. A step in which no request drafts is a plain step.
 """
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 MIN_SAMPLES = 4
-ALPHA = 0.2  # weight of a new step in the moving averages
+RATE_WINDOW = 9  # steps a bucket's medians are taken over
 ACCEPT_ALPHA = 0.3  # weight of a request's newest verify in its acceptance average
 MAX_PROBE_DOUBLINGS = 3  # a request that keeps not paying probes every 16, 32, 64, 128 steps
 
 
 @dataclass(slots=True)
 class Rate:
-    """Moving averages of one bucket's steps: a count per step (tokens emitted, or requests
-    that drafted) and seconds per step."""
+    """One bucket's recent steps: a count per step (tokens emitted, or requests that
+    drafted) and seconds per step, each the median of the last RATE_WINDOW steps. A median,
+    not a moving average: a bucket's first steps include one-off costs (a kernel measured
+    on its first use of a row count, a page fault per new block), and one such step in an
+    average decided for many steps after that drafts cost five times what they do."""
     samples: int = 0
-    tokens: float = 0.0
-    seconds: float = 0.0
+    _tokens: deque = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))
+    _seconds: deque = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))
 
     def add(self, tokens: int, seconds: float) -> None:
-        if self.samples == 0:
-            self.tokens, self.seconds = float(tokens), seconds
-        else:
-            self.tokens += ALPHA * (tokens - self.tokens)
-            self.seconds += ALPHA * (seconds - self.seconds)
+        self._tokens.append(float(tokens))
+        self._seconds.append(seconds)
         self.samples += 1
+
+    @property
+    def tokens(self) -> float:
+        return statistics.median(self._tokens) if self._tokens else 0.0
+
+    @property
+    def seconds(self) -> float:
+        return statistics.median(self._seconds) if self._seconds else 0.0
 
     @property
     def per_second(self) -> float:

@@ -53,6 +53,17 @@ def test_a_request_drafts_while_its_drafts_pay_and_probes_when_they_do_not():
     assert b.pays(1, paraphrasing)
 
 
+def test_one_slow_first_step_does_not_make_drafts_look_costly():
+    """A bucket's first drafting step may measure a kernel on its first use of a row count;
+    that one second must not set the bar for the steps after it."""
+    b = BackOff()
+    b.record(4, 2, 10, 1.0)  # the first drafting step: 18 ms of work and a one-off second
+    for _ in range(MIN_SAMPLES):
+        b.record(4, 0, 4, 0.030)
+        b.record(4, 2, 10, 0.048)
+    assert b.threshold(4) == pytest.approx(1 + 0.009 * 4 / 0.030)  # 9 ms a drafting request
+
+
 def probe_gaps(b: BackOff, acceptance: Acceptance, probes: int, tokens: int) -> list[int]:
     """Steps from one probe to the next while each probe brings `tokens` per verify."""
     gaps, waited = [], 0
