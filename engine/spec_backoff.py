@@ -37,8 +37,8 @@ class Rate:
     on its first use of a row count, a page fault per new block), and one such step in an
     average decided for many steps after that drafts cost five times what they do."""
     samples: int = 0
-    _tokens: deque = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))
-    _seconds: deque = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))
+    _tokens: deque[float] = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))
+    _seconds: deque[float] = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))
 
     def add(self, tokens: int, seconds: float) -> None:
         self._tokens.append(float(tokens))

@@ -68,7 +68,7 @@ class _Published:
     at: float = float("-inf")  # monotonic time of the last frame
     version: int = 0  # state version it showed
     gap: float = 0.0  # least time to the next one
-    costs: deque = field(default_factory=lambda: deque(maxlen=COST_SAMPLES))
+    costs: deque[float] = field(default_factory=lambda: deque(maxlen=COST_SAMPLES))
 
     def spaced_after(self, cost: float, interval: float) -> None:
         """Set the gap to the next frame from this frame's build cost (engine-thread CPU
