@@ -7,7 +7,10 @@ Two things decide whether a request's drafts pay, and they vary on different sca
   them, so the extra seconds one request's verify rows add to a step;
 - what a draft brings, which depends on the request (a quote is copied, an open chat is not)
   and on where in its reply it is (a model paraphrases its first sentence, then copies): per
-  request, a moving average of its tokens per verify (1 + accepted drafts).
+  request, a moving average of its tokens per verify (1 + accepted drafts). A request that
+has not verified yet takes the median of recent requests' first verifies as its estimate:
+in an open chat no one's drafts pay at 4 streams, and without that prior each new request
+paid for one losing verify (more at 16 streams, where requests come and go often).
 
 A request drafts when its drafts are expected to bring more tokens than the plain steps
 could make in the seconds they cost: 1 + accepted >= 1 + extra seconds x (batch size /
@@ -27,6 +30,7 @@ MIN_SAMPLES = 4
 RATE_WINDOW = 9  # steps a bucket's medians are taken over
 ACCEPT_ALPHA = 0.3  # weight of a request's newest verify in its acceptance average
 MAX_PROBE_DOUBLINGS = 3  # a request that keeps not paying probes every 16, 32, 64, 128 steps
+PRIOR_WINDOW = 16  # recent requests whose first verify is a new request's prior
 
 
 @dataclass(slots=True)
@@ -83,6 +87,8 @@ class BackOff:
     plain: dict[int, Rate] = field(default_factory=dict)  # tokens: emitted per step
     spec: dict[int, Rate] = field(default_factory=dict)  # tokens: requests that drafted
     _steps: dict[int, int] = field(default_factory=dict)
+    _first_verifies: deque[float] = field(
+        default_factory=lambda: deque(maxlen=PRIOR_WINDOW))
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -121,6 +127,8 @@ class BackOff:
             return True
         limit = self.threshold(batch_size)
         got = acceptance.tokens_per_verify
+        if got is None:
+            got = self.prior()
         if limit is None or got is None or got >= limit:
             acceptance.failed_probes, acceptance.probing = 0, False
             return True
@@ -130,6 +138,18 @@ class BackOff:
             return True
         acceptance.waited += 1
         return False
+
+    def prior(self) -> float | None:
+        """A new request's expected tokens per verify: the median of recent requests' first
+        verifies (not of all verifies: those come mostly from the requests whose drafts
+        pay, and a request's first verify is often its poorest). None until MIN_SAMPLES."""
+        if len(self._first_verifies) < MIN_SAMPLES:
+            return None
+        return statistics.median(self._first_verifies)
+
+    def first_verified(self, tokens: int) -> None:
+        """A request's first verify brought `tokens` (1 + accepted drafts)."""
+        self._first_verifies.append(float(tokens))
 
     def record(self, batch_size: int, drafted: int, tokens: int, seconds: float) -> None:
         """A pure-decode step: `drafted` requests verified drafts, `tokens` came out."""

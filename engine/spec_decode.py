@@ -216,7 +216,10 @@ class SpecDecoder:
         self._count(len(draft), accepted)
         drafts_so_far, accepted_so_far = self._per_request.get(seq, (0, 0))
         self._per_request[seq] = (drafts_so_far + 1, accepted_so_far + accepted)
-        self._acceptance_of(seq).verified(len(tokens))
+        acceptance = self._acceptance_of(seq)
+        if acceptance.tokens_per_verify is None:
+            self.backoff.first_verified(len(tokens))
+        acceptance.verified(len(tokens))
         bm = engine.block_manager
         bs = bm.block_size
         rolled = [seq.block_table[p // bs] * bs + p % bs

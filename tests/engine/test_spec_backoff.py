@@ -134,3 +134,25 @@ def test_over_a_simulated_load_only_the_requests_whose_drafts_pay_draft():
     assert all(n >= 270 for n in drafted[:4])
     # probes back off to one in 128 steps: 16 + 32 + 64 + 128 = 240, so 1-2 of the last 300
     assert all(n <= 2 for n in drafted[4:]), drafted
+
+
+def test_a_new_request_takes_recent_first_verifies_as_its_estimate():
+    """In an open chat at 4 streams no one's drafts pay: a new request must not pay for a
+    losing first verify when the last requests' first verifies all lost."""
+    b = measured(0.020, 0.032, 1)  # threshold 1.6
+    assert b.prior() is None and b.pays(1, Acceptance())  # no prior yet: it drafts
+    for tokens in (1, 1, 2, 1):
+        b.first_verified(tokens)
+    assert b.prior() == 1.0
+    new = Acceptance()
+    assert [b.pays(1, new) for _ in range(16)] == [False] * 15 + [True]  # then a probe
+    new.verified(4)  # the probe found it copying: from now on its own estimate decides
+    assert b.pays(1, new)
+
+
+def test_the_prior_follows_the_most_recent_first_verifies():
+    b = measured(0.020, 0.032, 1)
+    for tokens in [1] * 16 + [3] * 9:  # the workload turned to quoting
+        b.first_verified(tokens)
+    assert b.prior() == 3.0 and b.pays(1, Acceptance())
+

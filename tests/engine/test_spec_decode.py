@@ -76,6 +76,9 @@ def test_greedy_with_drafts_equals_greedy_without(tiny, block_size, monkeypatch)
     assert c.accepted_per_pos[4] > 0
     assert llm.engine.num_steps < sum(len(o.token_ids) for o in outs) // 2 + 10
     assert_no_block_held(llm)
+    # The back-off's prior for new requests: one first verify per request that drafted.
+    first = list(llm.engine.spec.backoff._first_verifies)
+    assert len(first) == len(prompts) and all(1 <= t <= 6 for t in first)
 
 
 def test_real_ngram_drafts_keep_greedy_exact(tiny):
