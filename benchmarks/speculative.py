@@ -11,16 +11,21 @@ Workloads (greedy, chat template, `--tokens` out, EOS ignored so both sides do e
 * chat: open questions, nothing to copy (the case where drafts are rare and must cost
   nothing).
 
-For every workload and concurrency c, c requests at once (a different instruction each, the
-same document, so the prefix cache holds the document after one warm-up request and the
-numbers time the decode, not a repeated 1k-token prefill), on an engine with speculation off
-and on one with `--speculative-config` (ngram, K=4, n 2..4 unless given) with its back-off
-on; tok/s = output tokens / wall seconds of the whole batch, the best of `--repeats` runs.
-The two engines share the weights and alternate run by run, so drift on a shared machine
-hits both. Also
-reported: the mean acceptance length (1 + accepted / drafts), whether the greedy outputs
-agreed, and llama.cpp's single-stream decode tok/s (`llama-bench -p 0 -n T -d D` at the
-quote prompt's depth D, its default f16 KV, no speculation) when llama-bench is found.
+For every workload and concurrency c, a closed-loop client with c slots, as vLLM's serving
+benchmark runs at `--max-concurrency c`: c x `--requests-per-slot` requests (a different
+instruction each, in turn; the same document, so the prefix cache holds the document after
+one warm-up request and the numbers time the decode, not a repeated 1k-token prefill) go in
+c at a time, and each one that ends is replaced by the next, so the batch stays at c until
+the queue runs out. A batch of exactly c requests would time its slowest one instead: drafts
+that finish some requests sooner leave the step cost of the rest higher and the batch no
+shorter, which a server under steady load, whose freed slot takes the next request, does not
+see. One engine has speculation off, one `--speculative-config` (ngram, K=4, n 2..4 unless
+given) with its back-off on; tok/s = output tokens / wall seconds of the whole run, the best
+of `--repeats` runs. The two engines share the weights and alternate run by run, so drift on
+a shared machine hits both. Also reported: the mean acceptance length (1 + accepted /
+drafts), the share of requests whose greedy outputs agreed, and llama.cpp's single-stream
+decode tok/s (`llama-bench -p 0 -n T -d D` at the quote prompt's depth D, its default f16 KV,
+no speculation) when llama-bench is found.
 
 Targets: quote/code speedup >= 1.8x at c = 1; >= 0.97x at every c; quote c = 1 with drafts
 >= 1.5x llama.cpp.
@@ -98,6 +103,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,2,4,8,16")
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--workloads", default="quote,code,chat")
+    p.add_argument("--requests-per-slot", type=int, default=3,
+                   help="requests per concurrency slot (c x this many in all)")
     p.add_argument("--repeats", type=int, default=3,
                    help="timed runs per side, alternating; the best of them is reported")
     p.add_argument("--llama-bin", help="folder holding llama-bench (else $LLAMA_BIN, PATH)")
@@ -122,14 +129,26 @@ def prompts_for(workload: str, n: int) -> list[list[dict[str, str]]]:
     raise SystemExit(f"unknown workload {workload!r}: expected quote, code or chat")
 
 
-def run_batch(llm, prompts: list[list[int]], tokens: int) -> tuple[float, list[list[int]]]:
-    """Wall seconds for all prompts at once, and their outputs."""
+def run_batch(llm, prompts: list[list[int]], tokens: int,
+              concurrency: int | None = None) -> tuple[float, list[list[int]]]:
+    """Wall seconds for all prompts through `concurrency` slots (all at once: None), and
+    their outputs in order: a request that ends frees its slot for the next prompt."""
     from kvscope.engine import SamplingParams
 
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    engine, slots = llm.engine, concurrency or len(prompts)
+    queue = list(enumerate(prompts))
+    live: dict[str, int] = {}
+    outs: dict[int, list[int]] = {}
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    return time.perf_counter() - t0, [o.token_ids for o in outs]
+    while queue or live:
+        while queue and len(live) < slots:
+            i, prompt = queue.pop(0)
+            live[engine.add_request(prompt, params)] = i
+        for delta in engine.step().outputs:
+            if delta.finished:
+                outs[live.pop(delta.request_id)] = engine.pop_output(delta.request_id).token_ids
+    return time.perf_counter() - t0, [outs[i] for i in range(len(prompts))]
 
 
 def template(tokenizer, messages: list[dict[str, str]]) -> list[int]:
@@ -154,15 +173,17 @@ def run(args: argparse.Namespace) -> dict:
     engines = {"off": LLM(plain_config, loaded), "on": LLM(spec_config, loaded)}
     tok = loaded.tokenizer
     torch.manual_seed(0)
-    results: dict = {"tokens": args.tokens, "workloads": {},
+    results: dict = {"tokens": args.tokens, "requests_per_slot": args.requests_per_slot,
+                     "workloads": {},
                      "spec_config": {k: getattr(spec_config, k) for k in (
                          "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")}}
     levels = [int(c) for c in args.concurrency.split(",")]
     for workload in args.workloads.split(","):
         rows = []
         for c in levels:
-            prompts = [template(tok, m) for m in prompts_for(workload, c)]
-            row: dict = {"concurrency": c}
+            n = c * args.requests_per_slot
+            prompts = [template(tok, m) for m in prompts_for(workload, n)]
+            row: dict = {"concurrency": c, "requests": n}
             outputs: dict[str, list[list[int]]] = {}
             for llm in engines.values():
                 run_batch(llm, prompts[:1], 2)  # warm-up: the document into the prefix cache
@@ -171,17 +192,17 @@ def run(args: argparse.Namespace) -> dict:
             drafts, accepted = before.num_drafts, before.num_accepted_tokens
             for _ in range(args.repeats):  # alternating, so drift hits both sides alike
                 for mode, llm in engines.items():
-                    seconds, outputs[mode] = run_batch(llm, prompts, args.tokens)
+                    seconds, outputs[mode] = run_batch(llm, prompts, args.tokens, c)
                     best[mode] = min(best[mode], seconds)
             for mode, seconds in best.items():
-                row[f"tok_s_{mode}"] = c * args.tokens / seconds
+                row[f"tok_s_{mode}"] = n * args.tokens / seconds
             after = engines["on"].engine.spec.counters
             d = after.num_drafts - drafts
             row["acceptance_length"] = 1 + (after.num_accepted_tokens - accepted) / d if d else 0.0
             row["drafts"] = d
             row["speedup"] = row["tok_s_on"] / row["tok_s_off"]
             row["outputs_equal"] = sum(a == b for a, b in zip(outputs["off"], outputs["on"],
-                                                              strict=True)) / c
+                                                              strict=True)) / n
             log(f"{workload} c={c}: {row['tok_s_off']:.1f} -> {row['tok_s_on']:.1f} tok/s "
                 f"({row['speedup']:.2f}x, acceptance length {row['acceptance_length']:.2f})")
             rows.append(row)
@@ -211,7 +232,8 @@ def llama_cpp(args: argparse.Namespace, depth: int) -> dict | None:
 
 
 def table(r: dict) -> str:
-    lines = [f"{r['tokens']} tokens out per request, greedy; speculation "
+    lines = [f"{r['tokens']} tokens out per request, greedy, c slots, "
+             f"{r.get('requests_per_slot', 1)} requests a slot; speculation "
              f"{r['spec_config']} with back-off",
              f"{'workload':<8} {'c':>3} {'off tok/s':>10} {'on tok/s':>10} {'speedup':>8} "
              f"{'accept len':>10} {'same out':>8}"]

@@ -22,3 +22,47 @@ def test_table_reports_speedup_acceptance_and_llama_cpp():
     text = table({"tokens": 64, "spec_config": {}, "workloads": {"quote": [row]},
                   "llama_cpp": {"depth": 1200, "tok_s": 25.0}})
     assert "2.00x" in text and "3.10" in text and "1.60x" in text
+
+
+class _Delta:
+    def __init__(self, request_id):
+        self.request_id, self.finished = request_id, True
+
+
+class _Engine:
+    """Each request ends after as many steps as its prompt's first token says."""
+
+    def __init__(self):
+        self.live, self.most_live, self.n = {}, 0, 0
+
+    def add_request(self, prompt, params):
+        self.n += 1
+        rid = f"r{self.n}"
+        self.live[rid] = [prompt[0], prompt]
+        self.most_live = max(self.most_live, len(self.live))
+        return rid
+
+    def step(self):
+        done = []
+        for rid, left in self.live.items():
+            left[0] -= 1
+            if left[0] == 0:
+                done.append(rid)
+        self.finished = {rid: self.live.pop(rid)[1] for rid in done}
+        return type("Step", (), {"outputs": [_Delta(r) for r in done]})
+
+    def pop_output(self, rid):
+        return type("Out", (), {"token_ids": self.finished[rid][::-1]})
+
+
+def test_a_slot_freed_by_a_finished_request_takes_the_next_prompt():
+    from kvscope.benchmarks.speculative import run_batch
+
+    llm = type("LLM", (), {"engine": _Engine()})
+    prompts = [[3, 0], [1, 1], [1, 2], [2, 3], [5, 4]]
+    _, outs = run_batch(llm, prompts, 8, concurrency=2)
+    assert outs == [p[::-1] for p in prompts]  # in the prompts' order
+    assert llm.engine.most_live == 2
+    llm.engine = _Engine()
+    run_batch(llm, prompts, 8)
+    assert llm.engine.most_live == 5  # no concurrency: all at once
