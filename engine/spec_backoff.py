@@ -18,7 +18,11 @@ plain step seconds). Before a bucket has been measured both ways every request d
 then a few steps run plain; afterwards every 16th step runs plain (the plain side follows
 the load), and a request whose drafts stopped paying drafts again after 16 steps without,
 so its estimate follows its reply; after 32, 64, then 128 steps while its probes keep not
-paying. A step in which no request drafts is a plain step.
+paying. Where the bar is above what any verify can bring (1 + K tokens), no request
+drafts, not even to probe: at 8 streams on a 2-core CPU one verify cost a whole plain step,
+and two probes per request cost an open chat a fifth of its throughput. Every
+REFRESH_EVERY-th step of such a bucket lets the requests draft once, so its costs follow the
+load. A step in which no request drafts is a plain step.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ MIN_SAMPLES = 4
 RATE_WINDOW = 9  # steps a bucket's medians are taken over
 ACCEPT_ALPHA = 0.3  # weight of a request's newest verify in its acceptance average
 MAX_PROBE_DOUBLINGS = 3  # a request that keeps not paying probes every 16, 32, 64, 128 steps
+REFRESH_EVERY = 256  # steps of a bucket whose bar no verify can reach, per drafting step
 PRIOR_WINDOW = 16  # recent requests whose first verify is a new request's prior
 
 
@@ -119,13 +124,16 @@ class BackOff:
         extra = max(0.0, spec.seconds - plain.seconds) / spec.tokens
         return 1.0 + extra * batch_size / plain.seconds
 
-    def pays(self, batch_size: int, acceptance: Acceptance) -> bool:
+    def pays(self, batch_size: int, acceptance: Acceptance, most: float | None = None) -> bool:
         """Whether this request drafts in this step; counts the steps it waits. A request
         whose probes keep not paying waits twice as long before each next one: at 16 streams
-        a probe every 16 steps each is a drafting request in nearly every step."""
+        a probe every 16 steps each is a drafting request in nearly every step. `most`: the
+        tokens a verify can bring at best (1 + K); above it the bar is out of anyone's reach."""
         if not self.enabled:
             return True
         limit = self.threshold(batch_size)
+        if limit is not None and most is not None and limit > most:
+            return self._steps.get(self.bucket(batch_size), 0) % REFRESH_EVERY == 0
         got = acceptance.tokens_per_verify
         if got is None:
             got = self.prior()

@@ -123,7 +123,7 @@ class SpecDecoder:
             seq = item.seq
             if not seq.params.speculative or not _is_decode(item):
                 continue
-            if not self.backoff.pays(len(batch), self._acceptance_of(seq)):
+            if not self.backoff.pays(len(batch), self._acceptance_of(seq), 1.0 + self.k):
                 continue
             n = len(seq.token_ids)
             k = min(self.k, budget, seq.params.max_tokens - seq.num_output_tokens - 1,

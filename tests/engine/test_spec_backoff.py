@@ -156,3 +156,24 @@ def test_the_prior_follows_the_most_recent_first_verifies():
         b.first_verified(tokens)
     assert b.prior() == 3.0 and b.pays(1, Acceptance())
 
+
+
+def test_where_no_verify_can_reach_the_bar_nobody_drafts_not_even_to_probe():
+    """8 streams, a 48 ms step, one verify costs 54 ms more: the bar is 10 tokens a verify,
+    and K = 4 drafts bring 5 at best. Probes there only cost."""
+    from kvscope.engine.spec_backoff import REFRESH_EVERY
+
+    b = measured(0.048, 0.102, 1, batch=8)
+    assert b.threshold(8) == pytest.approx(1 + 0.054 * 8 / 0.048)
+    without = Acceptance(5.0)
+    assert [b.pays(8, without) for _ in range(16)].count(True) == 1  # no ceiling: it probes
+    copying = Acceptance(5.0)
+    steps = []
+    for _ in range(2 * REFRESH_EVERY):
+        b.should_speculate(8)
+        steps.append(b.pays(8, copying, most=5.0))
+    assert steps.count(True) == 2  # one step in REFRESH_EVERY, so the costs follow the load
+    # a reachable bar: the ceiling changes nothing
+    reachable = measured(0.020, 0.032, 1)
+    assert reachable.pays(1, Acceptance(2.0), most=5.0)
+    assert not reachable.pays(1, Acceptance(1.2), most=5.0)
