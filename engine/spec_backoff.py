@@ -8,9 +8,9 @@ Two things decide whether a request's drafts pay, and they vary on different sca
 - what a draft brings, which depends on the request (a quote is copied, an open chat is not)
   and on where in its reply it is (a model paraphrases its first sentence, then copies): per
   request, a moving average of its tokens per verify (1 + accepted drafts). A request that
-has not verified yet takes the median of recent requests' first verifies as its estimate:
-in an open chat no one's drafts pay at 4 streams, and without that prior each new request
-paid for one losing verify (more at 16 streams, where requests come and go often).
+  has not verified yet takes the median of recent requests' first verifies as its estimate:
+  in an open chat no one's drafts pay at 4 streams, and without that prior each new request
+  paid for one losing verify (more at 16 streams, where requests come and go often).
 
 A request drafts when its drafts are expected to bring more tokens than the plain steps
 could make in the seconds they cost: 1 + accepted >= 1 + extra seconds x (batch size /
@@ -133,7 +133,8 @@ class BackOff:
             return True
         limit = self.threshold(batch_size)
         if limit is not None and most is not None and limit > most:
-            return self._steps.get(self.bucket(batch_size), 0) % REFRESH_EVERY == 0
+            # 1, not 0: every 16th step (a multiple of REFRESH_EVERY too) runs plain
+            return self._steps.get(self.bucket(batch_size), 0) % REFRESH_EVERY == 1
         got = acceptance.tokens_per_verify
         if got is None:
             got = self.prior()

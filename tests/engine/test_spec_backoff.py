@@ -169,9 +169,8 @@ def test_where_no_verify_can_reach_the_bar_nobody_drafts_not_even_to_probe():
     assert [b.pays(8, without) for _ in range(16)].count(True) == 1  # no ceiling: it probes
     copying = Acceptance(5.0)
     steps = []
-    for _ in range(2 * REFRESH_EVERY):
-        b.should_speculate(8)
-        steps.append(b.pays(8, copying, most=5.0))
+    for _ in range(2 * REFRESH_EVERY):  # as the engine asks: pays only in drafting steps
+        steps.append(b.should_speculate(8) and b.pays(8, copying, most=5.0))
     assert steps.count(True) == 2  # one step in REFRESH_EVERY, so the costs follow the load
     # a reachable bar: the ceiling changes nothing
     reachable = measured(0.020, 0.032, 1)
