@@ -32,6 +32,29 @@ def _default_omp_wait() -> None:
 
 _default_omp_wait()
 
+
+def _demote_source_root() -> None:
+    """Move a checkout's root to the end of sys.path, where `python -m` or pytest put it first.
+
+    In a checkout our subpackages are the root's folders (engine/, kernels/, ...), importable
+    only as kvscope.* (pyproject's package-dir). First on sys.path, the root would also offer
+    them as top-level `kernels`, `engine`, `app`: transformers >= 5.25 imports the `kernels`
+    distribution it requires and got ours. Installed, kvscope/ holds its subpackages and the
+    path is left alone.
+    """
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    if os.path.isdir(os.path.join(here, "engine")) or not os.path.isfile(
+            os.path.join(root, "pyproject.toml")):
+        return
+    real_root = os.path.realpath(root)
+    at_root = [p for p in sys.path if os.path.realpath(p or os.curdir) == real_root]
+    if at_root:
+        sys.path[:] = [p for p in sys.path if p not in at_root] + [root]
+
+
+_demote_source_root()
+
 try:
     __version__ = version("kvscope")
 except PackageNotFoundError:  # a source tree that was never installed

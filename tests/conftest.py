@@ -12,3 +12,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # Kernel choices measured by tests go to the checkout's build folder, not the user's cache.
 os.environ.setdefault("KVSCOPE_CACHE_DIR", os.path.join(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))), "build", "test-cache"))
+
+# Before any test imports transformers: kvscope moves the checkout's root, which `python -m
+# pytest` put first on sys.path, behind site-packages, so its kernels/ folder cannot stand in
+# for the `kernels` distribution transformers imports (kvscope/__init__.py).
+import kvscope  # noqa: E402,F401
