@@ -58,7 +58,8 @@ lint: setup
 
 # After a full `make test` passed on newer releases: record them as the set setup installs.
 constraints:
-	{ grep '^#' $(CONSTRAINTS); $(PY) -m pip freeze --exclude-editable | sed 's/+cpu$$//'; } \
+	{ grep '^#' $(CONSTRAINTS); $(PY) -m pip freeze --exclude-editable \
+		| grep -vE '^(torch|triton)=='; } \
 		> $(CONSTRAINTS).new && mv $(CONSTRAINTS).new $(CONSTRAINTS)
 
 clean:
