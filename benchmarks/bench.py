@@ -372,17 +372,31 @@ def run_hf(args, reqs: list[Request], model, pad_id: int, device: str) -> dict:
         outputs: list[list[int]] = []
         bs = args.batch_size
         log(f"hf: {len(reqs)} requests in static batches of {bs} ...")
+        fed = [0]
+        hook = model.register_forward_pre_hook(count_input_tokens(fed), with_kwargs=True)
         monitor = CpuMonitor()
         t0 = time.perf_counter()
         for i in range(0, len(reqs), bs):
             outputs += hf_generate_batch(model, reqs[i:i + bs], pad_id, device)
         sync_device(device)
         seconds = time.perf_counter() - t0
+        hook.remove()
     short = [i for i, (o, r) in enumerate(zip(outputs, reqs, strict=True))
              if len(o) != r.max_tokens]
     if short:
         raise RuntimeError(f"HF stopped early on requests {short[:5]}")
-    return {"seconds": seconds, "outputs": outputs, "other_cpu_load": monitor.other_load()}
+    return {"seconds": seconds, "outputs": outputs, "other_cpu_load": monitor.other_load(),
+            "fed_tokens": fed[0]}
+
+
+def count_input_tokens(fed: list[int]):
+    """A forward pre-hook adding each call's input positions (padding included) to fed[0]:
+    the token rows HF's static batches put through the model."""
+    def hook(_module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None:
+            fed[0] += ids.numel()
+    return hook
 
 
 # -- report --------------------------------------------------------------------------------
@@ -442,6 +456,13 @@ def run_bench(args) -> dict:
         "hf_seconds": hf and hf["seconds"],
         "hf_tokens_per_s": hf and gen_tokens / hf["seconds"],
         "speedup": hf and hf["seconds"] / eng["seconds"],
+        # The speedup's two factors: how many fewer token rows the engine puts through the
+        # model (HF's padding, prompt and output), times how much faster it is per row.
+        "engine_fed_tokens": eng["fed_tokens"],
+        "hf_fed_tokens": hf and hf["fed_tokens"],
+        "fewer_rows": hf and hf["fed_tokens"] / eng["fed_tokens"],
+        "faster_per_row": hf and (hf["seconds"] / hf["fed_tokens"]) / (
+            eng["seconds"] / eng["fed_tokens"]),
         "matmul_gflops": peak / 1e9,
         "matmul_gflops_by_shape": {k: v / 1e9 for k, v in mm.items()},
         "matmul_gflops_start": max(mm_start.values()) / 1e9,
@@ -520,6 +541,13 @@ def format_table(r: dict) -> str:
         ("MFU", (f"{_fmt(r['engine_mfu'] * 100, '11.1f', '%')} "
                 f"{_fmt(r['hf_mfu'] and r['hf_mfu'] * 100, '11.1f', '%')}")),
         ("speedup", f"{_fmt(r['speedup'], '11.2f', 'x')}"),
+        ("tokens through model", (f"{_fmt(r['engine_fed_tokens'], '12.0f')} "
+                                 f"{_fmt(r['hf_fed_tokens'], '12.0f')}")),
+    ]
+    if r["fewer_rows"] is not None:
+        rows.append(("speedup split", (f"{r['fewer_rows']:.2f}x fewer token rows (HF pads) x "
+                                      f"{r['faster_per_row']:.2f}x faster per row")))
+    rows += [
         ("", ""),
         ("engine steps", f"{r['num_steps']} (max {r['max_batch_seqs']} seqs in a step)"),
         ("preemptions", (f"{r['num_preemptions']} ({r['recomputed_tokens']} tokens recomputed, "

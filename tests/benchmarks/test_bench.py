@@ -53,3 +53,25 @@ def test_batch_size_overrides_hf_alone(tiny, capsys):
 def test_bad_concurrency_is_a_clear_error(tiny, capsys):
     assert bench.main(["--model", str(tiny), "--concurrency", "0"]) == 2
     assert "--concurrency must be >= 1" in capsys.readouterr().err
+
+
+def test_the_speedup_splits_into_fewer_rows_and_speed_per_row(tiny, capsys):
+    """HF's counted rows are its static batches' padded ones: each batch feeds its widest
+    prompt, then one row per sequence for every output token but the last. The engine feeds
+    each request's prompt and outputs but the last, no padding (no preemption here)."""
+    r = run(tiny, capsys, "--concurrency", "4")
+    c = r["config"]
+    from transformers import AutoConfig, AutoTokenizer
+    vocab = AutoConfig.from_pretrained(tiny).vocab_size
+    special = bench.special_token_ids(AutoTokenizer.from_pretrained(tiny))
+    reqs = bench.build_workload(c["seed"], r["num_requests"], tuple(c["prompt_range"]),
+                                tuple(c["output_range"]), vocab, special)
+    assert sum(len(q.prompt) for q in reqs) == r["prompt_tokens"]  # the same workload
+    assert r["engine_fed_tokens"] == r["prompt_tokens"] + r["generated_tokens"] - len(reqs)
+    padded = 0
+    for i in range(0, len(reqs), 4):
+        batch = reqs[i:i + 4]
+        padded += len(batch) * (max(len(q.prompt) for q in batch)
+                                + max(q.max_tokens for q in batch) - 1)
+    assert r["hf_fed_tokens"] == padded > r["engine_fed_tokens"]
+    assert r["fewer_rows"] * r["faster_per_row"] == pytest.approx(r["speedup"])
