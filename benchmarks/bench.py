@@ -376,11 +376,13 @@ def run_hf(args, reqs: list[Request], model, pad_id: int, device: str) -> dict:
         hook = model.register_forward_pre_hook(count_input_tokens(fed), with_kwargs=True)
         monitor = CpuMonitor()
         t0 = time.perf_counter()
-        for i in range(0, len(reqs), bs):
-            outputs += hf_generate_batch(model, reqs[i:i + bs], pad_id, device)
-        sync_device(device)
+        try:
+            for i in range(0, len(reqs), bs):
+                outputs += hf_generate_batch(model, reqs[i:i + bs], pad_id, device)
+            sync_device(device)
+        finally:
+            hook.remove()
         seconds = time.perf_counter() - t0
-        hook.remove()
     short = [i for i, (o, r) in enumerate(zip(outputs, reqs, strict=True))
              if len(o) != r.max_tokens]
     if short:

@@ -21,14 +21,14 @@ print(sys.path.index(sys.argv[1]) == len(sys.path) - 1)
 """
 
 
-def probe_from_root(tmp_path, *flags: str) -> list[str]:
+def probe_from_root(tmp_path) -> list[str]:
     """Import kvscope at the checkout's root with another `kernels` package on PYTHONPATH."""
     other = tmp_path / "other" / "kernels"
     other.mkdir(parents=True)
     (other / "__init__.py").write_text('WHO = "the distribution"\n')
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONSAFEPATH", "PYTHONPATH")}
     env["PYTHONPATH"] = str(tmp_path / "other")
-    done = subprocess.run([sys.executable, *flags, "-c", PROBE, str(ROOT)], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-c", PROBE, str(ROOT)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     return done.stdout.split("\n")
