@@ -25,7 +25,7 @@ def nvidia_smi(query: str, what: str = "gpu") -> list[list[str]]:
 def cuda_rows(frame) -> list[tuple[str, float, float | None]]:
     """(name, ours, nvidia-smi) in MiB or plain units; the card is found by its name."""
     gpus = nvidia_smi("name,memory.total,memory.used,utilization.gpu,temperature.gpu,"
-                      "power.draw")
+                      "power.draw,utilization.memory,clocks.mem,clocks.max.mem,power.limit")
     card = next((g for g in gpus if g[0] == frame.name), gpus[0])
     apps = {int(p): float(mib) for p, mib in nvidia_smi("pid,used_memory", "compute-apps")
             if p.isdigit() and _number(mib)}
@@ -33,8 +33,12 @@ def cuda_rows(frame) -> list[tuple[str, float, float | None]]:
             ("memory used (MiB)", frame.memory_used / MiB, float(card[2])),
             ("engine process (MiB)", frame.process_bytes / MiB, apps.get(os.getpid())),
             ("utilization (%)", frame.gpu_utilization, _float(card[3])),
+            ("memory utilization (%)", frame.memory_utilization, _float(card[6])),
+            ("memory clock (MHz)", frame.memory_clock_mhz, _float(card[7])),
+            ("memory clock max (MHz)", frame.memory_clock_max_mhz, _float(card[8])),
             ("temperature (C)", frame.temperature_c, _float(card[4])),
-            ("power (W)", frame.power_w, _float(card[5]))]
+            ("power (W)", frame.power_w, _float(card[5])),
+            ("power limit (W)", frame.power_limit_w, _float(card[9]))]
 
 
 def cpu_rows(frame) -> list[tuple[str, float, float | None]]:
@@ -65,35 +69,48 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from kvscope.engine import EngineConfig, SamplingParams
     from kvscope.engine.llm_engine import LLMEngine
-    from kvscope.engine.server.device_monitor import DeviceMonitor
 
     engine = LLMEngine(EngineConfig(device=args.device))
     for _ in range(4):
         engine.add_request(list(range(100, 400)), SamplingParams(max_tokens=16))
     while engine.has_unfinished():
         engine.step()
-    monitor = DeviceMonitor(engine)
-    frame = monitor.sample()
-    rows = cuda_rows(frame) if frame.device.startswith("cuda") else cpu_rows(frame)
-    print(f"{frame.device} · {frame.name}: weights {frame.weights_bytes / MiB:.0f} MiB, KV pool "
-          f"{frame.kv_pool_bytes / MiB:.0f} MiB, activations "
-          f"{(frame.activations_bytes or 0) / MiB:.0f} MiB, allocator free "
-          f"{(frame.allocator_free_bytes or 0) / MiB:.0f} MiB, other "
-          f"{frame.other_bytes / MiB:.0f} MiB ({frame.process_source})")
-    bad = 0
-    print(f"{'':<22} {'kvscope':>10} {'reference':>10} {'diff':>7}")
-    for name, ours, ref in rows:
-        if ours is None or ref is None:
-            print(f"{name:<22} {ours if ours is not None else '-':>10} "
-                  f"{ref if ref is not None else '-':>10}")
+    report = compare_with_tools(engine, args.tolerance)
+    print(report["summary"])
+    print(f"{'':<24} {'kvscope':>10} {'reference':>10} {'diff':>7}")
+    for r in report["rows"]:
+        if r["diff"] is None:
+            print(f"{r['name']:<24} {_show(r['kvscope']):>10} {_show(r['reference']):>10}")
             continue
-        diff = abs(ours - ref) / max(abs(ref), 1e-9)
-        # Utilization, temperature and power move between the two reads: report only.
-        checked = "(MiB)" in name
-        bad += checked and diff > args.tolerance
-        print(f"{name:<22} {ours:10.1f} {ref:10.1f} {diff * 100:6.1f}%"
-              f"{'  FAIL' if checked and diff > args.tolerance else ''}")
-    return 1 if bad else 0
+        print(f"{r['name']:<24} {r['kvscope']:10.1f} {r['reference']:10.1f} "
+              f"{r['diff'] * 100:6.1f}%{'  FAIL' if not r['ok'] else ''}")
+    return 0 if report["ok"] else 1
+
+
+def compare_with_tools(engine, tolerance: float) -> dict:
+    """One device sample of a running engine beside nvidia-smi's (CUDA) or ps's (CPU) numbers.
+    Memory rows must agree within `tolerance`; utilization, clocks, temperature and power
+    move between the two reads, so they are reported only."""
+    from kvscope.engine.server.device_monitor import DeviceMonitor
+
+    frame = DeviceMonitor(engine).sample()
+    rows = cuda_rows(frame) if frame.device.startswith("cuda") else cpu_rows(frame)
+    out = []
+    for name, ours, ref in rows:
+        diff = None if ours is None or ref is None else abs(ours - ref) / max(abs(ref), 1e-9)
+        checked = "(MiB)" in name and diff is not None
+        out.append({"name": name, "kvscope": ours, "reference": ref, "diff": diff,
+                    "checked": checked, "ok": not checked or diff <= tolerance})
+    summary = (f"{frame.device} · {frame.name}: weights {frame.weights_bytes / MiB:.0f} MiB, "
+               f"KV pool {frame.kv_pool_bytes / MiB:.0f} MiB, activations "
+               f"{(frame.activations_bytes or 0) / MiB:.0f} MiB, allocator free "
+               f"{(frame.allocator_free_bytes or 0) / MiB:.0f} MiB, other "
+               f"{frame.other_bytes / MiB:.0f} MiB ({frame.process_source})")
+    return {"summary": summary, "rows": out, "ok": all(r["ok"] for r in out)}
+
+
+def _show(x) -> str:
+    return "-" if x is None else f"{x:.1f}"
 
 
 if __name__ == "__main__":
