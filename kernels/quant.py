@@ -20,7 +20,11 @@ def is_quantized(dtype: torch.dtype) -> bool:
 def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [..., head_dim] -> (codes in dtype, scale [...] float32)."""
     x = x.float()
-    scale = (x.abs().amax(dim=-1) / QMAX[dtype]).clamp_min(MIN_SCALE)
+    # qmax as a tensor on x's device: torch on CUDA divides by a Python number as a multiply
+    # by its reciprocal, which rounds 1 ulp off now and then, and the Triton write (IEEE
+    # division) and the CPU would then disagree with this reference (seen on an H200).
+    qmax = torch.tensor(QMAX[dtype], dtype=torch.float32, device=x.device)
+    scale = (x.abs().amax(dim=-1) / qmax).clamp_min(MIN_SCALE)
     y = x / scale[..., None]
     if dtype == torch.int8:
         return y.round().clamp(-127, 127).to(torch.int8), scale
