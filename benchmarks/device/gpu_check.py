@@ -120,8 +120,10 @@ def run_device(run: Run, model: str) -> None:
     run.log("device panel against nvidia-smi ...")
     try:
         engine = LLMEngine(EngineConfig(model=model, device="cuda"))
+        vocab = engine.model.shape.vocab_size
         for _ in range(4):
-            engine.add_request(list(range(100, 400)), SamplingParams(max_tokens=16))
+            engine.add_request([(100 + i) % vocab for i in range(300)],
+                               SamplingParams(max_tokens=16))
         while engine.has_unfinished():
             engine.step()
         run.result["device_panel"] = compare_with_tools(engine, 0.05)

@@ -13,8 +13,8 @@ Parts (each a dict in the result; a part that raises reports its error and the r
 - steps: a single stream's and 64 streams' decode step split into wall time, GPU kernel
   time (torch.profiler) and the GPU-idle rest (host overhead), with kernel launches per step;
 - families: each model family's tiny random checkpoint (kvscope.testing.tiny_models: sliding
-  windows, soft-caps, q/k norms, longrope) in float32, token for token against HF, block
-  sizes 1 and 16 (as tests/engine/test_families.py does on the CPU).
+  windows, soft-caps, q/k norms, longrope) in float32, token for token against HF's eager
+  attention, block sizes 1 and 16 (as tests/engine/test_families.py does on the CPU).
 """
 from __future__ import annotations
 
@@ -305,7 +305,10 @@ def families(ctx: Context) -> dict:
                 path = save_tiny_model(Path(tmp), arch, seed=3,
                                        **({"tie_word_embeddings": False}
                                           if arch == "gemma2" else {}))
-                hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+                # eager: transformers 5.17 runs gemma2 under sdpa by default, which drops
+                # its attention soft-capping (benchmarks/results/gpu_diag-h200-2026-12-04.json)
+                hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                          attn_implementation="eager")
                 hf = hf.to(ctx.device).eval()
                 hf.generation_config.eos_token_id = None
                 want = [hf_greedy_on(hf, p, out, ctx.device) for p in prompts]
