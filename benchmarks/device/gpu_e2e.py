@@ -7,10 +7,11 @@ Parts (each a dict in the result; a part that raises reports its error and the r
   against the engine's own bfloat16 KV;
 - preemption: a pool too small for the batch (float32): requests preempted and recomputed
   must give the same tokens as with a pool that holds them all;
-- speculative: n-gram drafts on and off (float32): the same tokens, with the acceptance;
+- speculative: n-gram drafts on and off on a prompt that repeats itself: float32 must give
+  the same tokens (bfloat16 reported), with the acceptance length and the time;
 - throughput: engine generated tok/s against HF static batching (one batch of c) at each
   concurrency, bfloat16, at the engine's defaults and with a GPU-sized step budget;
-- steps: a single stream's and 64 streams' decode step split into wall time, GPU kernel
+- steps: the decode step of 1, 16 and 64 streams split into wall time, GPU kernel
   time (torch.profiler) and the GPU-idle rest (host overhead), with kernel launches per step;
 - families: each model family's tiny random checkpoint (kvscope.testing.tiny_models: sliding
   windows, soft-caps, q/k norms, longrope) in float32, token for token against HF's eager
