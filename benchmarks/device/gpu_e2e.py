@@ -128,6 +128,26 @@ def hf_tokens(model, prompts: list[list[int]], max_tokens: int, device: str
     return out, time.perf_counter() - t0
 
 
+def hf_greedy_tokens(model, prompts: list[list[int]], max_tokens: int, device: str
+                     ) -> list[list[int]]:
+    """HF's greedy pick at every step, end-of-sequence included, for prompts of one length
+    (no padding). Not hf_tokens: its min_new_tokens suppresses EOS, so where the engine
+    (ignore_eos) takes EOS, HF took the runner-up (the one float32 difference on the H200,
+    benchmarks/results/gpu_diag-h200-2026-12-04-float32.json)."""
+    import torch
+
+    ids = torch.tensor(prompts, device=device)
+    config = model.generation_config
+    eos, config.eos_token_id = config.eos_token_id, None
+    try:
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+    finally:
+        config.eos_token_id = eos
+    return out[:, ids.shape[1]:].tolist()
+
+
 def compare(a: list[list[int]], b: list[list[int]]) -> dict:
     """Share of requests equal throughout, share of tokens before the first difference."""
     same_prefix = 0
@@ -150,7 +170,7 @@ def agreement(ctx: Context) -> dict:
     for dtype in ("float32", "bfloat16", "float16"):
         llm = ctx.llm(dtype, kv_cache_bytes=GiB)
         mine, _ = engine_tokens(llm, prompts, out)
-        ref, _ = hf_tokens(ctx.hf(dtype), prompts, out, ctx.device)
+        ref = hf_greedy_tokens(ctx.hf(dtype), prompts, out, ctx.device)
         rows[dtype] = compare(mine, ref) | {"kv_dtype": llm.stats().kv_dtype}
         if dtype == "bfloat16":
             engine_bf16, hf_bf16 = mine, ref
