@@ -59,66 +59,76 @@ def format_e2e(e: dict | None) -> list[str]:
     if not e:
         return []
     lines = ["", f"end to end on {e['device']} ({e['model']})"]
-    fam = e.get("families") or {}
-    if "error" in fam:
-        lines.append(f"  families: {fam['error']}")
-    elif fam:
-        lines.append(f"  tiny families, float32, against HF (all exact: {fam['all_exact']}):")
-        for k, v in fam.items():
-            if isinstance(v, dict):
-                lines.append(f"    {k:<12} " + ("; ".join(f"{b}: {_agree(x)}"
-                                                       for b, x in v.items())
-                                              if "error" not in v else v["error"]))
-    a = e.get("agreement") or {}
-    if "error" in a:
-        lines.append(f"  agreement: {a['error']}")
-    elif a:
-        lines.append(f"  greedy agreement with HF ({a['requests']} prompts x "
-                     f"{a['prompt_tokens']} tokens, {a['output_tokens']} out):")
-        for k, v in a.items():
-            if k.startswith(("float", "bfloat")) and isinstance(v, dict):
-                if "vs_hf" in v:
-                    lines.append(f"    {k:<18} vs HF {_agree(v['vs_hf'])}; vs engine bf16 KV "
-                                 f"{_agree(v['vs_engine_bf16_kv'])} (rotation "
-                                 f"{v['kv_rotation']})")
-                else:
-                    lines.append(f"    {k:<18} {_agree(v)}")
-    p = e.get("preemption") or {}
-    if p:
-        lines.append("  preemption: " + (p["error"] if "error" in p else
-                     f"{p['preemptions']} preemptions in a pool of {p['num_kv_blocks']} blocks;"
-                     f" tokens equal to a roomy pool: {p['equal_to_roomy_pool']}; blocks free "
-                     f"after {p['blocks_free_after']}/{p['blocks_total']}"))
-    s = e.get("speculative") or {}
-    if "error" in s:
-        lines.append(f"  speculative: {s['error']}")
-    for k, v in s.items():
+    for name, part_lines in E2E_PARTS.items():
+        part = e.get(name) or {}
+        if "error" in part:
+            lines.append(f"  {name}: {part['error']}")
+        elif part:
+            lines += part_lines(part)
+    return lines
+
+
+def _families(fam: dict) -> list[str]:
+    lines = [f"  tiny families, float32, against HF (all exact: {fam['all_exact']}):"]
+    for k, v in fam.items():
         if isinstance(v, dict):
-            lines.append(f"  speculative {k}: {_agree(v)} vs drafts off; acceptance length "
-                         f"{v['mean_acceptance_length']:.2f}, {v['seconds_plain']:.2f} s -> "
-                         f"{v['seconds_spec']:.2f} s")
-    t = e.get("throughput") or {}
-    if "error" in t:
-        lines.append(f"  throughput: {t['error']}")
+            lines.append(f"    {k:<12} " + ("; ".join(f"{b}: {_agree(x)}" for b, x in v.items())
+                                          if "error" not in v else v["error"]))
+    return lines
+
+
+def _agreement(a: dict) -> list[str]:
+    lines = [f"  greedy agreement with HF ({a['requests']} prompts x {a['prompt_tokens']} "
+             f"tokens, {a['output_tokens']} out):"]
+    for k, v in a.items():
+        if not (k.startswith(("float", "bfloat")) and isinstance(v, dict)):
+            continue
+        if "vs_hf" in v:
+            lines.append(f"    {k:<18} vs HF {_agree(v['vs_hf'])}; vs engine bf16 KV "
+                         f"{_agree(v['vs_engine_bf16_kv'])} (rotation {v['kv_rotation']})")
+        else:
+            lines.append(f"    {k:<18} {_agree(v)}")
+    return lines
+
+
+def _preemption(p: dict) -> list[str]:
+    return [f"  preemption: {p['preemptions']} preemptions in a pool of {p['num_kv_blocks']} "
+            f"blocks; tokens equal to a roomy pool: {p['equal_to_roomy_pool']}; blocks free "
+            f"after {p['blocks_free_after']}/{p['blocks_total']}"]
+
+
+def _speculative(s: dict) -> list[str]:
+    return [f"  speculative {k}: {_agree(v)} vs drafts off; acceptance length "
+            f"{v['mean_acceptance_length']:.2f}, {v['seconds_plain']:.2f} s -> "
+            f"{v['seconds_spec']:.2f} s" for k, v in s.items() if isinstance(v, dict)]
+
+
+def _throughput(t: dict) -> list[str]:
+    lines = []
     for row in t.get("rows", []):
         lines.append(f"  c={row['concurrency']:<3} HF static batch {row['hf_tok_s']:8.1f} tok/s")
-        for k, v in row.items():
-            if isinstance(v, dict):
-                lines.append(f"        engine, {k:<34} {v['tok_s']:8.1f} tok/s "
-                             f"({v['speedup_vs_hf']:.2f}x HF, {v['steps']} steps, "
-                             f"{v['preemptions']} preemptions)")
-    st = e.get("steps") or {}
-    if "error" in st:
-        lines.append(f"  steps: {st['error']}")
-    for k, v in st.items():
-        if isinstance(v, dict):
-            gpu = v.get("gpu_kernel_ms_per_step")
-            lines.append(f"  decode step, {k:<11}: wall {v['step_wall_ms']:.2f} ms "
-                         f"({v['tok_s']:.0f} tok/s)"
-                         + (f", GPU kernels {gpu:.2f} ms, host overhead "
-                            f"{v['host_overhead_ms']:.2f} ms, {v['kernels_per_step']:.0f} "
-                            "kernels" if gpu is not None else ""))
+        lines += [f"        engine, {k:<34} {v['tok_s']:8.1f} tok/s ({v['speedup_vs_hf']:.2f}x "
+                  f"HF, {v['steps']} steps, {v['preemptions']} preemptions)"
+                  for k, v in row.items() if isinstance(v, dict)]
     return lines
+
+
+def _steps(st: dict) -> list[str]:
+    lines = []
+    for k, v in st.items():
+        if not isinstance(v, dict):
+            continue
+        gpu = v.get("gpu_kernel_ms_per_step")
+        lines.append(f"  decode step, {k:<11}: wall {v['step_wall_ms']:.2f} ms "
+                     f"({v['tok_s']:.0f} tok/s)"
+                     + (f", GPU kernels {gpu:.2f} ms, host overhead "
+                        f"{v['host_overhead_ms']:.2f} ms, {v['kernels_per_step']:.0f} kernels"
+                        if gpu is not None else ""))
+    return lines
+
+
+E2E_PARTS = {"families": _families, "agreement": _agreement, "preemption": _preemption,
+             "speculative": _speculative, "throughput": _throughput, "steps": _steps}
 
 
 def _agree(v: dict) -> str:
