@@ -70,8 +70,8 @@ class Holder:
 class RequestHistory:
     """Feed it every blocks frame (observe); ask it about requests no longer in the frame."""
 
-    def __init__(self, limit: int = FINISHED_KEPT) -> None:
-        self.limit = limit
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = FINISHED_KEPT if limit is None else limit
         self.finished: OrderedDict[str, Remembered] = OrderedDict()
         self._last = None  # the previous frame: where departing requests' tables are
 
