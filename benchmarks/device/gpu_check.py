@@ -185,8 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         elif part == "device":
             run_device(run, args.model)
         run.save()
-    r["ok"] = all(c["ok"] for c in r.get("checks", [])) and all(
-        e.get("ok", True) for e in [((r.get("e2e") or {}).get("preemption") or {})])
+    from kvscope.benchmarks.device.gpu_e2e import passed
+
+    r["ok"] = all(c["ok"] for c in r.get("checks", [])) and passed(r.get("e2e") or {})
     run.save()
     text = format_with_verdict(r)
     if args.out:

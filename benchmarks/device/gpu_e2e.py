@@ -96,6 +96,15 @@ class Context:
         return [[rng.choice(allowed) for _ in range(length)] for _ in range(n)]
 
 
+def passed(result: dict) -> bool:
+    """False when a part that checks something found it wrong: float32 not token for token
+    equal to HF (agreement, families) or to drafts off (speculative), or preemption changing
+    tokens or leaking blocks. Parts that did not run, or raised, are not counted here."""
+    checks = [("agreement", "float32_exact"), ("families", "all_exact"),
+              ("speculative", "float32_exact"), ("preemption", "ok")]
+    return all(result.get(part, {}).get(key, True) for part, key in checks)
+
+
 # -- helpers ---------------------------------------------------------------------------------
 def greedy(max_tokens: int, **kw: Any):
     from kvscope.engine import SamplingParams
@@ -314,6 +323,7 @@ def families(ctx: Context) -> dict:
     from transformers import AutoModelForCausalLM
 
     from kvscope.engine import LLM, EngineConfig
+    from kvscope.testing.hf_reference import hf_greedy
     from kvscope.testing.tiny_models import ARCHS, PHI3_MAX_LEN, save_tiny_model
 
     rows: dict[str, Any] = {}
@@ -332,7 +342,7 @@ def families(ctx: Context) -> dict:
                                                           attn_implementation="eager")
                 hf = hf.to(ctx.device).eval()
                 hf.generation_config.eos_token_id = None
-                want = [hf_greedy_on(hf, p, out, ctx.device) for p in prompts]
+                want = [hf_greedy(hf, p, out, ctx.device) for p in prompts]
                 row = {}
                 for bs in (1, 16):
                     llm = LLM(EngineConfig(model=str(path), device=ctx.device, dtype="float32",
@@ -350,16 +360,6 @@ def families(ctx: Context) -> dict:
         isinstance(v, dict) and "error" not in v
         and all(x["requests_equal"] == 1.0 for x in v.values()) for v in rows.values())
     return rows
-
-
-def hf_greedy_on(hf, prompt: list[int], n: int, device: str) -> list[int]:
-    import torch
-
-    with torch.inference_mode():
-        ids = torch.tensor([prompt], device=device)
-        got = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                          min_new_tokens=n, do_sample=False, pad_token_id=0)
-    return list(got[0, len(prompt):].tolist())
 
 
 PARTS: dict[str, Callable[[Context], dict]] = {

@@ -43,3 +43,14 @@ def test_parts_are_checked_by_name():
     assert parts == ("kernels", "decode", "e2e", "device") and not named
     with pytest.raises(SystemExit):
         parse_args(["--parts", "kernels,bogus"])
+
+
+def test_a_float32_difference_or_a_leaky_preemption_fails_the_run():
+    from kvscope.benchmarks.device.gpu_e2e import passed
+
+    good = {"agreement": {"float32_exact": True}, "families": {"all_exact": True},
+            "speculative": {"float32_exact": True}, "preemption": {"ok": True}}
+    assert passed(good) and passed({}) and passed({"agreement": {"error": "OOM"}})
+    for part, key in (("agreement", "float32_exact"), ("families", "all_exact"),
+                      ("speculative", "float32_exact"), ("preemption", "ok")):
+        assert not passed(good | {part: {key: False}})
