@@ -48,12 +48,17 @@ class KVEventsConfig:
     hwm: int = 100_000  # PUB high-water mark per subscriber (vLLM's default)
 
 
-def event_socket(ctx: zmq.Context, kind: int, endpoint: str,
-                 auth: ServerAuth | None = None) -> tuple[zmq.Socket, str]:
+def event_socket(ctx: zmq.Context, kind: int, endpoint: str, auth: ServerAuth | None = None,
+                 options: dict[int, int] | None = None) -> tuple[zmq.Socket, str]:
     """Create and bind one KV-event socket; returns it and the endpoint actually bound (a tcp
     port of 0 or * picks a free one). Every KV-event socket is made here; with auth it speaks
-    CURVE and admits only allowed client keys, as the command and state sockets do."""
+    CURVE and admits only allowed client keys, as the command and state sockets do.
+
+    options are set before the bind: a listener copies the socket's options when it binds, so
+    a high-water mark or size cap set afterwards never reaches the connections it accepts."""
     sock = ctx.socket(kind)
+    for option, value in (options or {}).items():
+        sock.setsockopt(option, value)
     secure_server_socket(sock, auth)
     if is_ipv6(endpoint):
         sock.setsockopt(zmq.IPV6, 1)
@@ -81,19 +86,20 @@ class KVEventPublisher(threading.Thread):
         self.seqs = count()
         self.sent = self.replays = self.bad_replays = self.send_errors = self.bytes = 0
         self.stopping = threading.Event()
-        self.pub, pub_at = event_socket(self.ctx, zmq.PUB, config.endpoint, auth)
-        self.pub.setsockopt(zmq.SNDHWM, config.hwm)
+        self.pub, pub_at = event_socket(self.ctx, zmq.PUB, config.endpoint, auth,
+                                        {zmq.SNDHWM: config.hwm})
         self.replay = None
         replay_at = None
         try:
             if config.replay_endpoint:
                 self.replay, replay_at = event_socket(self.ctx, zmq.ROUTER,
-                                                      config.replay_endpoint, auth)
-                self.replay.setsockopt(zmq.MAXMSGSIZE, 64)  # a request is 8 bytes
-                # Room for one whole replay; beyond that a send fails (and is counted)
-                # instead of silently losing batches or the end marker.
-                self.replay.setsockopt(zmq.SNDHWM, config.buffer_steps + 1)
-                self.replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                                                      config.replay_endpoint, auth, {
+                    zmq.MAXMSGSIZE: 64,  # a request is 8 bytes
+                    # Room for one whole replay; beyond that a send fails (and is counted)
+                    # instead of silently losing batches or the end marker.
+                    zmq.SNDHWM: config.buffer_steps + 1,
+                    zmq.ROUTER_MANDATORY: 1,
+                })
         except zmq.ZMQError:
             self._close_sockets()
             raise

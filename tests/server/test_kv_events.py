@@ -304,6 +304,30 @@ def test_replay_keeps_only_the_last_buffer_steps(publisher):
         ctx.destroy(linger=0)
 
 
+def test_replay_socket_options_reach_accepted_connections(publisher):
+    """The replay ROUTER's options are set before its bind: a listener copies them at bind
+    time, so set afterwards they never applied (the 64-byte request cap, and a high-water
+    mark left at ZeroMQ's 1000 that cut replays longer than that short under load). An
+    oversized request is dropped by ZeroMQ itself and never reaches the publisher."""
+    publisher.start()
+    ctx = zmq.Context()
+    try:
+        big = ctx.socket(zmq.DEALER)
+        big.connect(publisher.endpoints[1])
+        big.send(b"x" * 100)
+        ok = ctx.socket(zmq.DEALER)  # then a well-formed request on another connection
+        ok.connect(publisher.endpoints[1])
+        ok.send((0).to_bytes(8, "big"))
+        assert ok.poll(10_000)
+        assert ok.recv_multipart() == [v.END_SEQ, b""]  # nothing published yet: just the end
+        time.sleep(0.2)
+        assert (publisher.replays, publisher.bad_replays) == (1, 0)
+        assert not big.poll(100)
+    finally:
+        publisher.stop()
+        ctx.destroy(linger=0)
+
+
 def test_a_stalled_publisher_never_blocks_the_engine_thread(publisher, monkeypatch):
     """The publisher thread is not running: the hand-over fills, then batches are dropped
     and counted, and flush() keeps returning at once."""
