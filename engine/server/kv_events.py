@@ -37,6 +37,11 @@ MAX_QUEUED = 100_000  # batches handed over and not yet published (vLLM's max_qu
 BUSY_POLL_MS = 2  # how often the publisher thread looks for batches while they flow
 IDLE_POLL_MS = 50  # ... and after IDLE_AFTER_S without any
 IDLE_AFTER_S = 1.0
+# The replay ROUTER's cap on one incoming wire message. A request is 8 bytes, but ZeroMQ
+# checks the cap on every frame the connection carries, CURVE's handshake included (HELLO
+# is 200 bytes, INITIATE about 300 with its metadata), so a tighter cap refuses every
+# secured client. Anything larger than this is dropped by ZeroMQ with its connection.
+REPLAY_MAX_WIRE_BYTES = 1024
 
 
 @dataclass(frozen=True)
@@ -94,7 +99,7 @@ class KVEventPublisher(threading.Thread):
             if config.replay_endpoint:
                 self.replay, replay_at = event_socket(self.ctx, zmq.ROUTER,
                                                       config.replay_endpoint, auth, {
-                    zmq.MAXMSGSIZE: 64,  # a request is 8 bytes
+                    zmq.MAXMSGSIZE: REPLAY_MAX_WIRE_BYTES,
                     # Room for one whole replay; beyond that a send fails (and is counted)
                     # instead of silently losing batches or the end marker.
                     zmq.SNDHWM: config.buffer_steps + 1,

@@ -306,7 +306,7 @@ def test_replay_keeps_only_the_last_buffer_steps(publisher):
 
 def test_replay_socket_options_reach_accepted_connections(publisher):
     """The replay ROUTER's options are set before its bind: a listener copies them at bind
-    time, so set afterwards they never applied (the 64-byte request cap, and a high-water
+    time, so set afterwards they never applied (the request size cap, and a high-water
     mark left at ZeroMQ's 1000 that cut replays longer than that short under load). An
     oversized request is dropped by ZeroMQ itself and never reaches the publisher."""
     publisher.start()
@@ -314,7 +314,7 @@ def test_replay_socket_options_reach_accepted_connections(publisher):
     try:
         big = ctx.socket(zmq.DEALER)
         big.connect(publisher.endpoints[1])
-        big.send(b"x" * 100)
+        big.send(b"x" * (kv_events.REPLAY_MAX_WIRE_BYTES + 1))
         ok = ctx.socket(zmq.DEALER)  # then a well-formed request on another connection
         ok.connect(publisher.endpoints[1])
         ok.send((0).to_bytes(8, "big"))
