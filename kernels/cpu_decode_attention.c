@@ -142,9 +142,15 @@ static inline __attribute__((always_inline)) void load_row64(v16f r[4], const vo
             r[i] = i8x16_to_f32((const int8_t *)cache + offset + 16 * i) * scale;
 #ifdef KVSCOPE_HAVE_F16C
     } else if (kind == KV_FP8) {
+#if defined(__AVX512BW__)
+        fp8x32_to_f32_div256(r, (const uint8_t *)cache + offset);
+        fp8x32_to_f32_div256(r + 2, (const uint8_t *)cache + offset + 32);
+        for (int i = 0; i < 4; i++) r[i] *= scale * 256.0f;
+#else
         for (int i = 0; i < 4; i++)
             r[i] = fp8x16_to_f32_div256((const uint8_t *)cache + offset + 16 * i)
                    * (scale * 256.0f);
+#endif
     } else if (kind == KV_F16) {
         for (int i = 0; i < 4; i++) r[i] = f16x16_to_f32((const uint16_t *)cache + offset + 16 * i);
 #endif

@@ -54,6 +54,24 @@ def test_every_storage_dtype_matches_the_reference(dtype):
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
+def test_every_fp8_code_reads_back_exactly():
+    """A one-token context makes the output that token's V row: with 4 KV heads of 64 a slot
+    holds all 256 codes (the two NaN codes, never written, as zero), so the kernel's
+    in-register fp8 conversion must give torch's value for each, subnormals, -0 and +-448
+    included, times the slot's scale."""
+    _, kc, vc, meta, _ = build_batch([1], [1], 4, 4, 4, 64, num_blocks=2, seed=5)
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0
+    k8 = torch.zeros_like(kc, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    v8 = codes.view(1, 1, 4, 64).expand(vc.shape).contiguous().view(torch.float8_e4m3fn)
+    ks = torch.ones(kc.shape[:3])
+    vs = torch.full(vc.shape[:3], 0.75)
+    query = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(1))
+    got = cpu_attention.paged_attention_cpu(query, k8, v8, meta, 0.125, ks, vs)
+    want = codes.view(torch.float8_e4m3fn).float().view(1, 4, 64) * 0.75
+    assert torch.equal(got, want)
+
+
 def test_many_decode_rows_of_mixed_lengths():
     q_lens, ctx_lens = [1] * 9, [3, 70, 16, 1, 45, 8, 33, 2, 64]
     query, kc, vc, meta, tables = build_batch(q_lens, ctx_lens, 16, 6, 2, 64, num_blocks=100,
