@@ -68,6 +68,23 @@ static inline __attribute__((always_inline)) void store_out(void *y, int y_kind,
     else store_bf16x16((uint16_t *)y + at, v);
 }
 
+/* Asks for the next group's codes and scales while this one is computed. A decode step
+ * reads every layer's weights once, so they come from memory, not cache: the codes stream
+ * (the hardware prefetcher follows them within a page), but a group's scales lie N * 4 bytes
+ * after the previous group's, one miss each, waited for at the top of every group. After the
+ * block's last group the next block's first follows (the blocks of one thread are
+ * consecutive). */
+static inline __attribute__((always_inline)) void prefetch_group(
+        const uint8_t *codes, const uint16_t *sz, int64_t N, int64_t K, int64_t n0, int64_t g) {
+    const int64_t next = g + 1 < K / GROUP ? g + 1 : 0;
+    const int64_t n = g + 1 < K / GROUP ? n0 : n0 + BLOCK;
+    const uint8_t *c = codes + (g + 1) * GROUP * 32;  /* past the block: the next block's */
+    for (int i = 0; i < GROUP * 32; i += 64) __builtin_prefetch(c + i, 0, 3);
+    if (n >= N) return;
+    const uint16_t *pairs = sz + (next * N + n) * 2;
+    for (int i = 0; i < BLOCK * 2; i += 32) __builtin_prefetch(pairs + i, 0, 3);
+}
+
 /* MT rows of x (float32 holding bfloat16 values, stride K) against a block's 64 outputs
  * starting at n0, or against half of them (HALF 0: bytes 0-15, outputs n0 + 0-15 and
  * n0 + 32-47; HALF 1: bytes 16-31, n0 + 16-31 and 48-63; HALF -1: all four tiles), in
@@ -87,6 +104,7 @@ static inline __attribute__((always_inline)) void store_out(void *y, int y_kind,
                 int64_t n = n0 + 16 * (H0 + j / 2) + 32 * (j % 2);                          \
                 group_scales(s + j, z8 + j, sz + (g * N + n) * 2);                          \
             }                                                                               \
+            prefetch_group(codes, sz, N, K, n0, g);                                         \
             for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k++) {                         \
                 for (int h = 0; h < NH; h++) {                                              \
                     v16i b = u8x16_to_i32(codes + k * 32 + 16 * (H0 + h));                  \
