@@ -54,14 +54,15 @@ def _decision_shape(lin: Any) -> tuple[object, ...] | None:
 def _name(lin: Any, rows: int) -> str:
     """The chooser's name for the decision of `rows` rows through this linear."""
     from kvscope.engine.weight_formats import DenseLinear
-    from kvscope.kernels import cpu_int4, cpu_linear
+    from kvscope.kernels import cpu_int4, cpu_linear, kernel_choice
 
     if not isinstance(lin, DenseLinear):
         return cpu_int4.decision_name(rows, lin.scale_zero.shape[1], lin.in_features)
     w, threads = lin.weight, torch.get_num_threads()
     label = f"{rows}+" if rows == cpu_linear.TOP_BUCKET else f"<={rows}"
     dtype = str(w.dtype).removeprefix("torch.")
-    return f"linear {dtype} {w.shape[0]}x{w.shape[1]} rows{label} threads={threads}"
+    return (f"linear {dtype} {w.shape[0]}x{w.shape[1]} rows{label} threads={threads} "
+            f"wait={kernel_choice.thread_wait()}")
 
 
 def _ask(lin: Any, rows: int) -> None:

@@ -62,7 +62,8 @@ def implementation(x: torch.Tensor, weight: torch.Tensor) -> str:
     top = bucket(rows)
     info = {"op": "linear", "dtype": dtype, "shape": f"{n}x{k}",
             "rows": f"{top}+" if top == TOP_BUCKET else f"<={top}", "threads": threads}
-    name = f"linear {dtype} {n}x{k} rows{info['rows']} threads={threads}"
+    name = (f"linear {dtype} {n}x{k} rows{info['rows']} threads={threads} "
+            f"wait={kernel_choice.thread_wait()}")
     return chooser.choose(name, candidates(x, weight), info, fast_key)
 
 

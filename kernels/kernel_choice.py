@@ -6,7 +6,8 @@ kernels.cpu_linear); the first call that needs it runs every candidate on that c
 inputs, a warm-up call each and then alternating timed rounds until MIN_ROUNDS are done and
 BUDGET_S has passed (at most MAX_ROUNDS; from MIN_ROUNDS on, a candidate ELIMINATE times
 slower than the leader runs no more), and keeps the candidate with the lowest best time: the
-best of several is what survives a neighbour's burst on a shared machine. Only
+best of several is what survives a neighbour's burst on a shared machine. Each timed call
+follows a short busy wait (GAP_S), as in a step, so waking idle threads is part of its time. Only
 shapes that actually run are measured, each once per machine. A choice only picks which
 implementation runs; each candidate computes the same math (their float rounding orders
 are tested against the same references). The clock is a parameter so tests drive the
@@ -30,6 +31,11 @@ MIN_ROUNDS = 2
 MAX_ROUNDS = 7
 ELIMINATE = 2.0
 BUDGET_S = 0.03  # per decision, after the warm-up: small shapes get all their rounds
+# A busy wait before every timed call, as a step's Python runs between two matmuls: long
+# enough for idle OpenMP threads under kvscope's GOMP_SPINCOUNT to fall asleep, so a
+# candidate that needs them waking pays for it here as it does in a step (timed back to
+# back, a parallel candidate looked faster than it was: docs/threads.md).
+GAP_S = 20e-6
 
 
 @dataclass
@@ -53,8 +59,9 @@ class Chooser:
     """Decisions for one machine key, loaded lazily from (and saved to) `path`."""
 
     def __init__(self, path: Path, key: dict[str, str], clock: Clock = time.perf_counter,
-                 budget_s: float = BUDGET_S) -> None:
+                 budget_s: float = BUDGET_S, gap: Callable[[], None] | None = None) -> None:
         self.path, self.key, self.clock, self.budget_s = path, key, clock, budget_s
+        self.gap = gap if gap is not None else _step_gap
         self.decisions: dict[str, Decision] = {}
         self.cache_reason: str | None = None  # why the file was ignored (None: it was not)
         self._fast: dict[Hashable, str] = {}
@@ -110,6 +117,7 @@ class Chooser:
         while rounds < MIN_ROUNDS or (rounds < MAX_ROUNDS
                                       and self.clock() - start < self.budget_s):
             for n in names if rounds % 2 == 0 else names[::-1]:  # neither always goes first
+                self.gap()
                 t0 = self.clock()
                 candidates[n]()
                 best[n] = min(best[n], self.clock() - t0)
@@ -141,6 +149,23 @@ class Chooser:
         with self._lock:
             self._load()
             return sorted(self.decisions.values(), key=lambda d: d.name)
+
+
+def thread_wait() -> str:
+    """How this process's idle OpenMP threads wait (as libgomp read it when torch loaded):
+    part of every decision's name, since it decides what waking them costs, so a choice made
+    under libgomp's spinning is not taken under kvscope's short spin (docs/threads.md)."""
+    spin = os.environ.get("GOMP_SPINCOUNT", "").strip()
+    if spin:
+        return f"spin={spin}"
+    policy = os.environ.get("OMP_WAIT_POLICY", "").strip().lower()
+    return policy if policy in ("active", "passive") else "spin=default"
+
+
+def _step_gap() -> None:
+    end = time.perf_counter() + GAP_S
+    while time.perf_counter() < end:
+        pass
 
 
 def _busy(load: object) -> bool:

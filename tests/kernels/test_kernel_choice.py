@@ -60,6 +60,29 @@ def test_the_faster_candidate_is_chosen(cache_file):
     assert d.times_ms == pytest.approx({"slow": 2.0, "fast": 1.0}) and d.source == "measured"
 
 
+def test_a_wake_up_after_a_gap_counts_against_a_candidate(cache_file):
+    """A step runs Python between two matmuls; a candidate whose threads fall asleep in that
+    gap pays to wake them. Timed back to back it would look faster than it is: the chooser
+    leaves the gap before every timed call, and the wake-up decides."""
+    clock = FakeClock()
+    state = {"gap": False}
+
+    def gap():
+        state["gap"] = True
+
+    def parallel():  # 1 ms of work, plus 2 ms to wake its threads after a gap
+        clock.now += 0.001 + (0.002 if state.pop("gap", False) else 0.0)
+
+    def serial():
+        state.pop("gap", False)
+        clock.now += 0.0015
+
+    chooser = Chooser(cache_file, KEY, clock, gap=gap)
+    assert chooser.choose("op", {"parallel": parallel, "serial": serial}) == "serial"
+    back_to_back = Chooser(cache_file.with_name("other.json"), KEY, clock, gap=lambda: None)
+    assert back_to_back.choose("op", {"parallel": parallel, "serial": serial}) == "parallel"
+
+
 def test_the_best_time_decides_not_the_mean(cache_file):
     """A neighbour's burst slows some calls: the best of each candidate's rounds is compared.
     """
@@ -237,7 +260,8 @@ def test_the_engines_linear_runs_the_chosen_implementation(cache_file, monkeypat
                                atol=tol * 10)
     d = chooser.table()[0]
     name = str(dtype).removeprefix("torch.")
-    assert d.name == f"linear {name} 24x32 rows<=4 threads=2" and d.choice == winner
+    assert d.name == (f"linear {name} 24x32 rows<=4 threads=2 "
+                      f"wait={kernel_choice.thread_wait()}") and d.choice == winner
     assert d.info["rows"] == "<=4" and d.info["op"] == "linear"
 
 
@@ -253,3 +277,21 @@ def test_each_bucket_and_dtype_is_its_own_decision(cache_file, monkeypatch):
     rows = [(d.info["dtype"], d.info["rows"]) for d in chooser.table()]
     assert sorted(rows) == sorted([("float32", "<=1"), ("float32", "<=2"), ("float32", "<=4"),
                                    ("float32", "256+"), ("bfloat16", "<=1")])
+
+
+def test_a_choice_made_under_one_openmp_wait_is_not_taken_under_another(monkeypatch):
+    """Whether waking threads pays depends on how they wait, so the wait is in the name."""
+    from kvscope.kernels import cpu_int4
+
+    names = {}
+    for spin, policy in [("1000", None), (None, None), (None, "passive"), ("1000", "active")]:
+        for var, value in (("GOMP_SPINCOUNT", spin), ("OMP_WAIT_POLICY", policy)):
+            if value is None:
+                monkeypatch.delenv(var, raising=False)
+            else:
+                monkeypatch.setenv(var, value)
+        names[(spin, policy)] = cpu_int4.decision_name(1, 128, 64)
+    assert names[("1000", None)].endswith("wait=spin=1000")
+    assert names[(None, None)].endswith("wait=spin=default")
+    assert names[(None, "passive")].endswith("wait=passive")
+    assert len(set(names.values())) == 3  # the spin count is what libgomp uses over a policy
