@@ -412,7 +412,7 @@ class MainWindow(QMainWindow):
     def on_engine_dead(self, reason: str) -> None:
         if self.closed:
             return
-        self.status.mark_dead(reason)
+        self.status.mark_dead(reason, exited=True)
         self.chat.set_engine_alive(False, f"the engine is dead: {self.status.dead_reason}")
         self.kv_calculator.fits.set_device(None)  # that device's free memory is no longer known
         self.device_panel.mark_stale("engine dead")

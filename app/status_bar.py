@@ -38,6 +38,7 @@ class EngineStatusBar(QStatusBar):
         self.last_heartbeat: float | None = None
         self.busy = False
         self.dead_reason = ""
+        self.exited = False  # dead because its process ended (not only silent)
         self.state_label = QLabel()
         self.state_label.setObjectName("engineState")
         # Elides: a long death reason or model path must not widen the window (issue 23, 4).
@@ -117,6 +118,8 @@ class EngineStatusBar(QStatusBar):
         self.show_notice(hello.config)
 
     def show_heartbeat(self, hb) -> None:
+        if self.state == "dead" and self.exited:  # sent before its process died: stale
+            return
         self.last_heartbeat = self.clock()
         self.busy = hb.busy
         if not self.timer.isActive():
@@ -125,6 +128,8 @@ class EngineStatusBar(QStatusBar):
 
     def show_stats(self, stats: StatsFrame) -> None:
         e = stats.engine
+        if self.state == "dead":  # the reason stays in view (a frame in flight came after it)
+            return
         self.engine_label.setText(
             f"{e.device} · {model_name(stats.config.model)} · {e.dtype} · KV "
             f"{e.kv_dtype}{rotation_text(e)}{anchors_text(e)} · block {e.block_size} · "
@@ -171,9 +176,12 @@ class EngineStatusBar(QStatusBar):
         if silent > DEAD_AFTER_S:
             self.mark_dead(f"no heartbeat for {silent:.1f} s")
 
-    def mark_dead(self, reason: str) -> None:
+    def mark_dead(self, reason: str, exited: bool = False) -> None:
         """The first reason stays while dead: a later "no heartbeat" says less than "killed
-        by SIGKILL"; only a new state (connecting, alive) replaces it."""
+        by SIGKILL"; only a new state (connecting, alive) replaces it. exited: the engine's
+        process is gone, so frames still queued from it change nothing (after a silence
+        alone, a heartbeat brings the engine back)."""
+        self.exited = self.exited or exited
         if self.state == "dead" and self.dead_reason:
             return
         self.dead_reason = reason
@@ -197,6 +205,7 @@ class EngineStatusBar(QStatusBar):
             self.engine_label.setText(f"engine is dead: {self.dead_reason}")
         elif state == "connecting":
             self.dead_reason = ""
+            self.exited = False
         if state != self.state:
             self.state = state
             self.stateChanged.emit(state)

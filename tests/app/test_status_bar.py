@@ -33,6 +33,26 @@ def test_dead_when_heartbeats_stop(qtbot):
     bar.stop_watching()
 
 
+def test_frames_queued_before_the_process_died_leave_the_reason_in_view(qtbot):
+    """kill -9 while a stats frame and a heartbeat are still in flight: they arrive after the
+    window learnt of the death and must neither replace "killed by SIGKILL" with the
+    engine's settings nor bring it back to life; a restart (connecting) ends that."""
+    now = [100.0]
+    bar = EngineStatusBar(clock=lambda: now[0])
+    qtbot.addWidget(bar)
+    bar.show_heartbeat(heartbeat(busy=True))
+    bar.mark_dead("killed by SIGKILL", exited=True)
+    bar.show_stats(stats_frame())
+    bar.show_heartbeat(heartbeat(busy=False))
+    assert bar.state == "dead" and "SIGKILL" in bar.engine_label.text()
+    assert not bar.restart_button.isHidden()
+    bar.mark_connecting()
+    bar.show_heartbeat(heartbeat(busy=False))
+    bar.show_stats(stats_frame())
+    assert bar.state == "idle" and "block 16" in bar.engine_label.text()
+    bar.stop_watching()
+
+
 def test_dead_from_real_timer(qtbot):
     bar = EngineStatusBar()
     qtbot.addWidget(bar)
