@@ -186,7 +186,7 @@ def measure_kvscope(args: argparse.Namespace) -> dict:
 
     from kvscope.engine.config import resolve_dtype
     from kvscope.engine.loader import load_model
-    from kvscope.kernels import native
+    from kvscope.kernels import kernel_choice, native
 
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model, resolve_dtype("auto", "cpu"))
@@ -200,7 +200,9 @@ def measure_kvscope(args: argparse.Namespace) -> dict:
     special = set(tok.all_special_ids) | set(tok.get_added_vocab().values())
     # Without a C compiler (or with a build that failed) the engine runs the torch kernels:
     # said in the result, since those numbers are not the native ones.
+    # How idle OpenMP threads wait moves a quiet single stream by up to 1.5x (docs/threads.md)
     result: dict = {"max_model_len": max_model_len, "threads": torch.get_num_threads(),
+                    "omp_wait": kernel_choice.thread_wait(),
                     "native_kernels": native.available(), "rounds": args.rounds,
                     "kv_dtypes": {}}
     engines = {kv: kvscope_engine(args, loaded, kv, -(-longest // 16) + 2)
@@ -288,8 +290,10 @@ def _section(result: dict, kind: str, lengths: list[int], title: str) -> list[st
 
 def format_table(result: dict) -> str:
     k = result["kvscope"]
+    wait = f", OpenMP wait {k['omp_wait']}" if k.get("omp_wait") else ""
     head = (f"1 request, embedded model, kvscope {k['weights']} weights, prefill chunk "
-            f"{k['prefill_chunk']}, {k['threads']} threads (max_model_len {k['max_model_len']})")
+            f"{k['prefill_chunk']}, {k['threads']} threads{wait} (max_model_len "
+            f"{k['max_model_len']})")
     lines = [head, ""]
     if not k.get("native_kernels", True):
         lines[1:1] = ["(the native CPU kernels did not build: kvscope ran its torch kernels)"]

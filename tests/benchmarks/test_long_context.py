@@ -79,7 +79,7 @@ def test_find_tool_looks_in_the_folder_then_the_environment(tmp_path, monkeypatc
 def test_table_ratios_compare_each_dtype_with_f16_and_one_byte_with_q8_0():
     result = {"contexts": [512, 6000], "prompts": [512], "steps": 8,
               "kvscope": {"weights": "int4", "prefill_chunk": 512, "threads": 2,
-                          "max_model_len": 8192, "kv_dtypes": {
+                          "omp_wait": "spin=1000", "max_model_len": 8192, "kv_dtypes": {
                               "float32": {"decode": {512: 280.0, 6000: 110.5},
                                           "prefill": {512: 4000.0}},
                               "int8": {"decode": {512: 300.0, 6000: 80.0},
@@ -98,6 +98,8 @@ def test_table_ratios_compare_each_dtype_with_f16_and_one_byte_with_q8_0():
     # A length llama.cpp did not measure shows a dash, not a ratio.
     assert prefill["float32 / f16"] == ["2.00x"] and prefill["int8 / q8_0"] == ["-"]
     assert prefill["kvscope int8"] == ["3000.0"]
+    head = long_context.format_table(result).splitlines()[0]
+    assert "2 threads, OpenMP wait spin=1000 " in head  # it moves a single stream up to 1.5x
 
 
 def test_lengths_must_fit_max_model_len():
