@@ -29,13 +29,6 @@ from kvscope.benchmarks.timing import add_json_flag, print_result
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o, gate_up, down
 
 
-def busy_wait(seconds: float) -> None:
-    """The Python between two matmuls of a step: a busy thread, not a sleeping one."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
-
-
 def weights(layers: int) -> list[list[tuple[object, object]]]:
     import torch
 
@@ -56,7 +49,7 @@ def measure(rows: int, layers: list, gap_s: float, rounds: int) -> dict[str, dic
     """{implementation: {"NxK": median us}} for `rows` input rows."""
     import torch
 
-    from kvscope.kernels import cpu_int4
+    from kvscope.kernels import cpu_int4, kernel_choice
 
     impls = {"native": lambda x, p, s: cpu_int4.native_int4(x, p, s),
              "native-serial": lambda x, p, s: cpu_int4.native_int4(x, p, s, parallel=False),
@@ -70,7 +63,7 @@ def measure(rows: int, layers: list, gap_s: float, rounds: int) -> dict[str, dic
             evict.add_(1)
             for layer in layers:
                 for i, (packed, scale_zero) in enumerate(layer):
-                    busy_wait(gap_s)
+                    kernel_choice.busy_wait(gap_s)
                     t0 = time.perf_counter()
                     impls[name](xs[SHAPES[i][1]], packed, scale_zero)
                     times[(name, i)].append(time.perf_counter() - t0)
@@ -80,7 +73,7 @@ def measure(rows: int, layers: list, gap_s: float, rounds: int) -> dict[str, dic
 
 def format_table(result: dict) -> str:
     lines = [f"int4 matmul, us per call: {result['layers']} cold layers, {result['gap_us']} us "
-             f"busy gap, {result['threads']} threads, GOMP_SPINCOUNT={result['spin']}",
+             f"busy gap, {result['threads']} threads, OpenMP wait {result['wait']}",
              f"{'rows':>4} {'shape':>9} {'native':>8} {'native-serial':>14} {'torch':>8}"]
     for rows, got in result["rows"].items():
         for shape in got["native"]:
@@ -100,11 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=8)
     add_json_flag(p)
     args = p.parse_args(argv)
-    import os
-
     import torch
 
-    from kvscope.kernels import native
+    from kvscope.kernels import kernel_choice, native
 
     if not native.available():
         print("int4_in_step: the native CPU kernels are not available here", file=sys.stderr)
@@ -112,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     layers = weights(args.layers)
     result = {"layers": args.layers, "gap_us": args.gap_us, "threads": torch.get_num_threads(),
-              "spin": os.environ.get("GOMP_SPINCOUNT", "libgomp's"),
+              "wait": kernel_choice.thread_wait(),
               "rows": {m: measure(m, layers, args.gap_us * 1e-6, args.rounds)
                        for m in args.rows}}
     print_result(result, format_table, args.json)

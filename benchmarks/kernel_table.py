@@ -61,8 +61,8 @@ def _name(lin: Any, rows: int) -> str:
     w, threads = lin.weight, torch.get_num_threads()
     label = f"{rows}+" if rows == cpu_linear.TOP_BUCKET else f"<={rows}"
     dtype = str(w.dtype).removeprefix("torch.")
-    return (f"linear {dtype} {w.shape[0]}x{w.shape[1]} rows{label} threads={threads} "
-            f"wait={kernel_choice.thread_wait()}")
+    return (f"linear {dtype} {w.shape[0]}x{w.shape[1]} rows{label} "
+            f"{kernel_choice.threads_name(threads)}")
 
 
 def _ask(lin: Any, rows: int) -> None:

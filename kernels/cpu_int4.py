@@ -85,8 +85,7 @@ def decision_name(rows: int, n: int, k: int) -> str:
     """The chooser's name for this call's decision (`kvscope bench --kernels` asks by it)."""
     top = bucket(rows)
     label = f"{top}+" if top == TOP_BUCKET else f"<={top}"
-    return (f"int4 {n}x{k} rows{label} threads={torch.get_num_threads()} "
-            f"wait={kernel_choice.thread_wait()}")
+    return f"int4 {n}x{k} rows{label} {kernel_choice.threads_name(torch.get_num_threads())}"
 
 
 def candidates(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor

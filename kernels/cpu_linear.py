@@ -62,8 +62,7 @@ def implementation(x: torch.Tensor, weight: torch.Tensor) -> str:
     top = bucket(rows)
     info = {"op": "linear", "dtype": dtype, "shape": f"{n}x{k}",
             "rows": f"{top}+" if top == TOP_BUCKET else f"<={top}", "threads": threads}
-    name = (f"linear {dtype} {n}x{k} rows{info['rows']} threads={threads} "
-            f"wait={kernel_choice.thread_wait()}")
+    name = f"linear {dtype} {n}x{k} rows{info['rows']} {kernel_choice.threads_name(threads)}"
     return chooser.choose(name, candidates(x, weight), info, fast_key)
 
 

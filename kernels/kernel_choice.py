@@ -61,7 +61,7 @@ class Chooser:
     def __init__(self, path: Path, key: dict[str, str], clock: Clock = time.perf_counter,
                  budget_s: float = BUDGET_S, gap: Callable[[], None] | None = None) -> None:
         self.path, self.key, self.clock, self.budget_s = path, key, clock, budget_s
-        self.gap = gap if gap is not None else _step_gap
+        self.gap = gap if gap is not None else (lambda: busy_wait(GAP_S))
         self.decisions: dict[str, Decision] = {}
         self.cache_reason: str | None = None  # why the file was ignored (None: it was not)
         self._fast: dict[Hashable, str] = {}
@@ -162,8 +162,14 @@ def thread_wait() -> str:
     return policy if policy in ("active", "passive") else "spin=default"
 
 
-def _step_gap() -> None:
-    end = time.perf_counter() + GAP_S
+def threads_name(threads: int) -> str:
+    """The part of a decision's name for how it runs in parallel: "threads=2 wait=spin=1000"."""
+    return f"threads={threads} wait={thread_wait()}"
+
+
+def busy_wait(seconds: float) -> None:
+    """The Python between two matmuls of a step: a busy thread, not a sleeping one."""
+    end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         pass
 

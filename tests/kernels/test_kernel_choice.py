@@ -295,3 +295,14 @@ def test_a_choice_made_under_one_openmp_wait_is_not_taken_under_another(monkeypa
     assert names[(None, None)].endswith("wait=spin=default")
     assert names[(None, "passive")].endswith("wait=passive")
     assert len(set(names.values())) == 3  # the spin count is what libgomp uses over a policy
+
+
+def test_the_default_gap_keeps_the_thread_busy_for_gap_s(cache_file):
+    import time
+
+    chooser = Chooser(cache_file, KEY)
+    start, cpu = time.perf_counter(), time.process_time()
+    for _ in range(50):
+        chooser.gap()
+    assert time.perf_counter() - start >= 50 * kernel_choice.GAP_S
+    assert time.process_time() > cpu  # spent working, as a step's Python is, not asleep
