@@ -43,7 +43,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from kvscope.engine import fused_rows
+from kvscope.engine import fused_one_region, fused_rows
 from kvscope.engine.weight_formats import INT4_GROUP, DenseLinear, Int4Linear, Linear
 from kvscope.kernels import cpu_attention, cpu_int4, cpu_linear, native, ops
 from kvscope.kernels.anchors import Anchors
@@ -384,6 +384,8 @@ def run_layers(model: FusedModel, input_ids: torch.Tensor, positions: torch.Tens
                 meta.slot_mapping.contiguous(), int(pool.dtype == BF16))
     plan = pool_plan(pool)
     step.kv = None if plan.plain else plan
+    if fused_one_region.run(model, plan, step.h, step.positions, step.slots, meta, io_dtype):
+        return step.h
     step.lib.kvscope_add_rms_norm(step.h.data_ptr(), None, tables.input_norms[0].data_ptr(),
                                   s.rms_norm_eps, step.x.data_ptr(), rows, s.hidden_size,
                                   step.io)

@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_team.h"
 #include "cpu_vec.h"
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_I8 = 3, KV_FP8 = 4 };
@@ -469,9 +470,7 @@ static void merge_spans(float *out, const float *part, int64_t spans, int64_t st
  * all their query heads together, as one larger group, up to MAX_GROUP heads at a time. Each
  * query head's arithmetic in span_head64 and span_head does not depend on the group it is in,
  * so every row gets the bits it would get alone (tests/kernels/test_cpu_attention.py). */
-typedef struct {
-    int64_t row0, rows, k;  /* rows row0 .. row0 + rows - 1, span k of each */
-} shared_span;
+/* shared_span: cpu_team.h */
 
 /* Whether rows a and b read their first `blocks` blocks from the same blocks, with the same
  * anchor rows. */
@@ -553,6 +552,182 @@ static void scatter_span(float *part, const int64_t *first_item, int64_t first, 
     }
 }
 
+int kvscope_decode_plan_make(decode_plan *p, const decode_call *c) {
+    const int64_t *lens = c->lens, *tables = c->tables, *anchor_idx = c->anchor_idx;
+    const int64_t first = c->first, last = c->last, window = c->window;
+    const int64_t group = c->num_heads / c->num_kv_heads, d = c->head_dim;
+    const int64_t seqs = last - first, block_size = c->block_size;
+    memset(p, 0, sizeof *p);
+    int64_t total = 0;
+    for (int64_t i = first; i < last; i++)
+        total += window > 0 && lens[i] > window ? window : lens[i];
+    const int64_t span = (SPAN + block_size - 1) / block_size * block_size;
+    /* spans of sequence i: items first_item[i - first] .. first_item[i - first + 1] - 1 */
+    int64_t *first_item = malloc(sizeof(int64_t) * (size_t)(seqs + 1));
+    if (!first_item) return 1;
+    int64_t items = 0, cut = 0, widest = 0;  /* widest: the most positions in one span */
+    for (int64_t i = first; i < last; i++) {
+        int64_t lo = window > 0 && lens[i] > window ? lens[i] - window : 0;
+        int64_t n = lens[i] <= lo ? 0 : (lens[i] - 1) / span - lo / span + 1;
+        first_item[i - first] = items;
+        items += n;
+        cut += n > 1 ? n : 0;
+        int64_t w = lens[i] - lo < span ? lens[i] - lo : span;
+        widest = w > widest ? w : widest;
+    }
+    first_item[seqs] = items;
+    /* per cut span and KV head: acc [group, d], m [group], l [group] */
+    const int64_t stride = group * (d + 2);
+    float *part = cut ? malloc(sizeof(float) * (size_t)(items * c->num_kv_heads * stride)) : NULL;
+    int64_t *covered = calloc((size_t)seqs + 1, sizeof(int64_t));
+    shared_span *shared = NULL;
+    const int64_t per = MAX_GROUP / group;  /* rows in one shared span */
+    int64_t nshared = !covered || window > 0 ? 0
+        : find_shared_spans(&shared, covered, tables, c->table_stride, lens, anchor_idx, first,
+                            last, span, block_size, per);
+    if ((cut && !part) || !covered || nshared < 0) {
+        free(part);
+        free(covered);
+        free(first_item);
+        return 1;
+    }
+    *p = (decode_plan){.items = items, .nshared = nshared, .widest = widest,
+                       .widest_group = nshared ? per * group : group, /* query heads in one call */
+                       .stride = stride, .span = span, .first_item = first_item,
+                       .covered = covered, .part = part, .shared = shared,
+                       .parallel = total * c->num_kv_heads >= PARALLEL_MIN_ROWS
+                                   && nshared + items > 1};
+    return 0;
+}
+
+void kvscope_decode_plan_free(decode_plan *p) {
+    free(p->shared);
+    free(p->covered);
+    free(p->part);
+    free(p->first_item);
+    memset(p, 0, sizeof *p);
+}
+
+void kvscope_decode_team(const decode_call *c, const decode_plan *p, int *status) {
+    void *out = c->out;
+    const void *query = c->query, *k_cache = c->k_cache, *v_cache = c->v_cache;
+    const int64_t *rows = c->rows, *tables = c->tables, *lens = c->lens;
+    const int64_t *anchor_idx = c->anchor_idx;
+    const float *k_scale = c->k_scale, *v_scale = c->v_scale;
+    const float *anchor_k = c->anchor_k, *anchor_v = c->anchor_v;
+    const int64_t table_stride = c->table_stride, first = c->first, seqs = c->last - c->first;
+    const int64_t num_heads = c->num_heads, num_kv_heads = c->num_kv_heads, d = c->head_dim;
+    const int64_t block_size = c->block_size, anchor_len = c->anchor_len, window = c->window;
+    const int64_t group = num_heads / num_kv_heads, span = p->span, stride = p->stride;
+    const int64_t nshared = p->nshared, items = p->items, widest = p->widest;
+    const int64_t widest_group = p->widest_group;
+    const int64_t *first_item = p->first_item, *covered = p->covered;
+    const shared_span *shared = p->shared;
+    float *part = p->part;
+    const int kind = c->kind, io_bf16 = c->io_bf16;
+    const float sm_scale = c->sm_scale, softcap = c->softcap;
+    if (!first_item) return;  /* no plan (its scratch failed): every thread leaves */
+    span_fn attend = pick(kind, d, group);
+    int failed = 0;
+    /* scores [heads, widest], row [d], acc, m, l and, for bfloat16 rows (or a shared
+     * span's gathered heads), q and out [heads, d] each, heads up to widest_group */
+    const int64_t gw = widest_group;
+    size_t floats = (size_t)(gw * widest + d + 3 * gw * d + 2 * gw);
+    float *scores = malloc(sizeof(float) * floats);
+    if (!scores) failed = 1;
+    float *row = scores ? scores + gw * widest : NULL;
+    float *acc = row ? row + d : NULL, *qf = acc ? acc + gw * d : NULL;
+    float *of = qf ? qf + gw * d : NULL, *ml = of ? of + gw * d : NULL;
+    int64_t i = first;  /* the sequence of item w: items are in sequence order */
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t v = 0; v < nshared + items; v++) {
+        if (!scores) continue;
+        if (v < nshared) {
+            const shared_span sh = shared[v];
+            const int64_t heads = sh.rows * group, c0 = sh.k * span;
+            span_fn attend_all = pick(kind, d, heads);
+            for (int64_t h = 0; h < num_kv_heads; h++) {
+                gather_queries(qf, query, rows, sh.row0, sh.rows, num_heads, h, group, d,
+                               io_bf16);
+                const float *ak = NULL, *av = NULL;
+                int64_t na = 0;
+                if (anchor_idx && anchor_idx[sh.row0] >= 0) {
+                    int64_t base = (anchor_idx[sh.row0] * anchor_len * num_kv_heads + h) * d;
+                    ak = anchor_k + base;
+                    av = anchor_v + base;
+                    na = anchor_len;  /* the span ends before every row's length */
+                }
+                attend_all((span_out){acc, ml, ml + heads}, qf, tables + sh.row0 * table_stride,
+                           c0, c0 + span, k_cache, v_cache, k_scale, v_scale, h, heads,
+                           num_kv_heads, d, block_size, sm_scale, scores, row, ak, av, na,
+                           softcap);
+                scatter_span(part, first_item, first, sh, h, num_kv_heads, stride, acc, ml,
+                             ml + heads, group, d);
+            }
+            continue;
+        }
+        const int64_t w = v - nshared;
+        while (first_item[i - first + 1] <= w) i++;
+        while (first_item[i - first] > w) i--;
+        const int64_t k = w - first_item[i - first];
+        if (k < covered[i - first]) continue;  /* a shared span computed it */
+        const int64_t spans = first_item[i - first + 1] - first_item[i - first];
+        const int64_t lo = window > 0 && lens[i] > window ? lens[i] - window : 0;
+        const int64_t c0 = k == 0 ? lo : (lo / span + k) * span;
+        const int64_t c1 = (lo / span + k + 1) * span < lens[i]
+                           ? (lo / span + k + 1) * span : lens[i];
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            int64_t at = (rows[i] * num_heads + h * group) * d;
+            const float *q = (const float *)query + at;
+            if (io_bf16) {
+                widen_bf16(qf, (const uint16_t *)query + at, group * d);
+                q = qf;
+            }
+            const float *ak = NULL, *av = NULL;
+            int64_t na = 0;
+            if (anchor_idx && anchor_idx[i] >= 0) {
+                int64_t base = (anchor_idx[i] * anchor_len * num_kv_heads + h) * d;
+                ak = anchor_k + base;
+                av = anchor_v + base;
+                na = anchor_len < lens[i] ? anchor_len : lens[i];
+            }
+            span_out o = {acc, ml, ml + group};
+            if (spans > 1) {
+                float *p = part + (w * num_kv_heads + h) * stride;
+                o = (span_out){p, p + group * d, p + group * d + group};
+            }
+            attend(o, q, tables + i * table_stride, c0, c1, k_cache, v_cache, k_scale,
+                   v_scale, h, group, num_kv_heads, d, block_size, sm_scale, scores, row,
+                   ak, av, na, softcap);
+            if (spans > 1) continue;
+            float *dst = io_bf16 ? of : (float *)out + at;
+            for (int64_t g = 0; g < group; g++) {
+                const float inv = 1.0f / o.l[g];
+                for (int64_t x = 0; x < d; x++) dst[g * d + x] = acc[g * d + x] * inv;
+            }
+            if (io_bf16) narrow_bf16((uint16_t *)out + at, of, group * d);
+        }
+    }
+    /* the cut sequences' spans are all in (the loop's barrier): merge them */
+#pragma omp for schedule(static)
+    for (int64_t w = 0; w < seqs * num_kv_heads; w++) {
+        if (!scores) continue;
+        const int64_t s = w / num_kv_heads, h = w % num_kv_heads;
+        const int64_t spans = first_item[s + 1] - first_item[s];
+        if (spans < 2) continue;
+        const int64_t at = (rows[first + s] * num_heads + h * group) * d;
+        float *dst = io_bf16 ? of : (float *)out + at;
+        merge_spans(dst, part + (first_item[s] * num_kv_heads + h) * stride,
+                    spans, num_kv_heads * stride, group, d);
+        if (io_bf16) narrow_bf16((uint16_t *)out + at, of, group * d);
+    }
+    free(scores);
+    if (failed) {
+#pragma omp atomic write
+    *status = 1;
+    }
+}
+
 /* Sequences [first, last) of the batch. query/out: [*, num_heads, head_dim], float32, or
  * bfloat16 when io_bf16 (converted here, in the work item, rather than by two more torch ops
  * per layer); caches: [num_blocks, block_size, num_kv_heads, head_dim]; scales (1-byte
@@ -572,6 +747,9 @@ static void scatter_span(float *part, const int64_t *first_item, int64_t first, 
  * libgomp torch has already loaded (same soname), so these are torch's own worker threads,
  * already awake from the matmul before, and torch.set_num_threads governs them; a second
  * thread pool would fight torch's spinning one for the cores.
+ * The call's arguments are a decode_call (cpu_team.h): kvscope_paged_decode shares one out
+ * over a parallel region of its own; engine/fused_decode.py's whole-step call
+ * (kernels/cpu_decode_step.c) runs the same plan and team inside one region for every layer.
  * Returns 1 when the scratch could not be allocated. */
 int kvscope_paged_decode(void *out, const void *query, const int64_t *rows,
                          const int64_t *tables, int64_t table_stride, const int64_t *lens,
@@ -581,143 +759,15 @@ int kvscope_paged_decode(void *out, const void *query, const int64_t *rows,
                          float sm_scale, int io_bf16, const float *anchor_k,
                          const float *anchor_v, const int64_t *anchor_idx, int64_t anchor_len,
                          int64_t window, float softcap) {
-    const int64_t group = num_heads / num_kv_heads, d = head_dim, seqs = last - first;
-    int64_t total = 0;
-    for (int64_t i = first; i < last; i++)
-        total += window > 0 && lens[i] > window ? window : lens[i];
-    const int parallel = total * num_kv_heads >= PARALLEL_MIN_ROWS;
-    const int64_t span = (SPAN + block_size - 1) / block_size * block_size;
-    /* spans of sequence i: items first_item[i - first] .. first_item[i - first + 1] - 1 */
-    int64_t *first_item = malloc(sizeof(int64_t) * (size_t)(seqs + 1));
-    if (!first_item) return 1;
-    int64_t items = 0, cut = 0, widest = 0;  /* widest: the most positions in one span */
-    for (int64_t i = first; i < last; i++) {
-        int64_t lo = window > 0 && lens[i] > window ? lens[i] - window : 0;
-        int64_t n = lens[i] <= lo ? 0 : (lens[i] - 1) / span - lo / span + 1;
-        first_item[i - first] = items;
-        items += n;
-        cut += n > 1 ? n : 0;
-        int64_t w = lens[i] - lo < span ? lens[i] - lo : span;
-        widest = w > widest ? w : widest;
-    }
-    first_item[seqs] = items;
-    /* per cut span and KV head: acc [group, d], m [group], l [group] */
-    const int64_t stride = group * (d + 2);
-    float *part = cut ? malloc(sizeof(float) * (size_t)(items * num_kv_heads * stride)) : NULL;
-    int64_t *covered = calloc((size_t)seqs + 1, sizeof(int64_t));
-    shared_span *shared = NULL;
-    const int64_t per = MAX_GROUP / group;  /* rows in one shared span */
-    int64_t nshared = !covered || window > 0 ? 0
-        : find_shared_spans(&shared, covered, tables, table_stride, lens, anchor_idx, first,
-                            last, span, block_size, per);
-    if ((cut && !part) || !covered || nshared < 0) {
-        free(part);
-        free(covered);
-        free(first_item);
-        return 1;
-    }
-    const int64_t widest_group = nshared ? per * group : group;  /* query heads in one call */
-    span_fn attend = pick(kind, d, group);
+    const decode_call c = {out, query, rows, tables, table_stride, lens, first, last, k_cache,
+                           v_cache, k_scale, v_scale, num_heads, num_kv_heads, head_dim,
+                           block_size, kind, sm_scale, io_bf16, anchor_k, anchor_v, anchor_idx,
+                           anchor_len, window, softcap};
+    decode_plan p;
+    if (kvscope_decode_plan_make(&p, &c)) return 1;
     int failed = 0;
-#pragma omp parallel if (parallel && nshared + items > 1) reduction(| : failed)
-    {
-        /* scores [heads, widest], row [d], acc, m, l and, for bfloat16 rows (or a shared
-         * span's gathered heads), q and out [heads, d] each, heads up to widest_group */
-        const int64_t gw = widest_group;
-        size_t floats = (size_t)(gw * widest + d + 3 * gw * d + 2 * gw);
-        float *scores = malloc(sizeof(float) * floats);
-        if (!scores) failed = 1;
-        float *row = scores ? scores + gw * widest : NULL;
-        float *acc = row ? row + d : NULL, *qf = acc ? acc + gw * d : NULL;
-        float *of = qf ? qf + gw * d : NULL, *ml = of ? of + gw * d : NULL;
-        int64_t i = first;  /* the sequence of item w: items are in sequence order */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t v = 0; v < nshared + items; v++) {
-            if (!scores) continue;
-            if (v < nshared) {
-                const shared_span sh = shared[v];
-                const int64_t heads = sh.rows * group, c0 = sh.k * span;
-                span_fn attend_all = pick(kind, d, heads);
-                for (int64_t h = 0; h < num_kv_heads; h++) {
-                    gather_queries(qf, query, rows, sh.row0, sh.rows, num_heads, h, group, d,
-                                   io_bf16);
-                    const float *ak = NULL, *av = NULL;
-                    int64_t na = 0;
-                    if (anchor_idx && anchor_idx[sh.row0] >= 0) {
-                        int64_t base = (anchor_idx[sh.row0] * anchor_len * num_kv_heads + h) * d;
-                        ak = anchor_k + base;
-                        av = anchor_v + base;
-                        na = anchor_len;  /* the span ends before every row's length */
-                    }
-                    attend_all((span_out){acc, ml, ml + heads}, qf, tables + sh.row0 * table_stride,
-                               c0, c0 + span, k_cache, v_cache, k_scale, v_scale, h, heads,
-                               num_kv_heads, d, block_size, sm_scale, scores, row, ak, av, na,
-                               softcap);
-                    scatter_span(part, first_item, first, sh, h, num_kv_heads, stride, acc, ml,
-                                 ml + heads, group, d);
-                }
-                continue;
-            }
-            const int64_t w = v - nshared;
-            while (first_item[i - first + 1] <= w) i++;
-            while (first_item[i - first] > w) i--;
-            const int64_t k = w - first_item[i - first];
-            if (k < covered[i - first]) continue;  /* a shared span computed it */
-            const int64_t spans = first_item[i - first + 1] - first_item[i - first];
-            const int64_t lo = window > 0 && lens[i] > window ? lens[i] - window : 0;
-            const int64_t c0 = k == 0 ? lo : (lo / span + k) * span;
-            const int64_t c1 = (lo / span + k + 1) * span < lens[i]
-                               ? (lo / span + k + 1) * span : lens[i];
-            for (int64_t h = 0; h < num_kv_heads; h++) {
-                int64_t at = (rows[i] * num_heads + h * group) * d;
-                const float *q = (const float *)query + at;
-                if (io_bf16) {
-                    widen_bf16(qf, (const uint16_t *)query + at, group * d);
-                    q = qf;
-                }
-                const float *ak = NULL, *av = NULL;
-                int64_t na = 0;
-                if (anchor_idx && anchor_idx[i] >= 0) {
-                    int64_t base = (anchor_idx[i] * anchor_len * num_kv_heads + h) * d;
-                    ak = anchor_k + base;
-                    av = anchor_v + base;
-                    na = anchor_len < lens[i] ? anchor_len : lens[i];
-                }
-                span_out o = {acc, ml, ml + group};
-                if (spans > 1) {
-                    float *p = part + (w * num_kv_heads + h) * stride;
-                    o = (span_out){p, p + group * d, p + group * d + group};
-                }
-                attend(o, q, tables + i * table_stride, c0, c1, k_cache, v_cache, k_scale,
-                       v_scale, h, group, num_kv_heads, d, block_size, sm_scale, scores, row,
-                       ak, av, na, softcap);
-                if (spans > 1) continue;
-                float *dst = io_bf16 ? of : (float *)out + at;
-                for (int64_t g = 0; g < group; g++) {
-                    const float inv = 1.0f / o.l[g];
-                    for (int64_t x = 0; x < d; x++) dst[g * d + x] = acc[g * d + x] * inv;
-                }
-                if (io_bf16) narrow_bf16((uint16_t *)out + at, of, group * d);
-            }
-        }
-        /* the cut sequences' spans are all in (the loop's barrier): merge them */
-#pragma omp for schedule(static)
-        for (int64_t w = 0; w < seqs * num_kv_heads; w++) {
-            if (!scores) continue;
-            const int64_t s = w / num_kv_heads, h = w % num_kv_heads;
-            const int64_t spans = first_item[s + 1] - first_item[s];
-            if (spans < 2) continue;
-            const int64_t at = (rows[first + s] * num_heads + h * group) * d;
-            float *dst = io_bf16 ? of : (float *)out + at;
-            merge_spans(dst, part + (first_item[s] * num_kv_heads + h) * stride,
-                        spans, num_kv_heads * stride, group, d);
-            if (io_bf16) narrow_bf16((uint16_t *)out + at, of, group * d);
-        }
-        free(scores);
-    }
-    free(shared);
-    free(covered);
-    free(part);
-    free(first_item);
+#pragma omp parallel if (p.parallel)
+    kvscope_decode_team(&c, &p, &failed);
+    kvscope_decode_plan_free(&p);
     return failed;
 }

@@ -25,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_team.h"
 #include "cpu_vec.h"
 
 typedef uint8_t v16ub __attribute__((vector_size(16)));
@@ -140,18 +141,18 @@ static const rows_fn halves[][2] = {PAIR(5), PAIR(6), PAIR(7), PAIR(8), PAIR(9),
  * codes and scale_zero; N a multiple of 64, K of 32. parallel: the 64-output blocks shared
  * out over torch's threads (the library binds to torch's libgomp, cpu_decode_attention.c),
  * else on the calling thread. Returns 1 if scratch could not be had. */
-int kvscope_int4_gemm(void *y, int y_kind, const void *x, int x_kind, const uint8_t *codes,
-                      const uint16_t *scale_zero, int64_t M, int64_t N, int64_t K,
-                      int parallel) {
-    if (M == 0) return 0;
-    float *xf = malloc(sizeof(float) * (size_t)(M * K));
-    if (!xf) return 1;
-    for (int64_t i = 0; i < M * K; i++)
+void kvscope_int4_round_rows(float *xf, const void *x, int x_kind, int64_t count) {
+    for (int64_t i = 0; i < count; i++)
         xf[i] = x_kind == I4_F32 ? bf16_to_f32(f32_to_bf16(((const float *)x)[i]))
                                  : bf16_to_f32(((const uint16_t *)x)[i]);
+}
+
+/* The 64-output blocks shared out over the calling region's threads (cpu_team.h). */
+void kvscope_int4_team(void *y, int y_kind, const float *xf, const uint8_t *codes,
+                       const uint16_t *scale_zero, int64_t M, int64_t N, int64_t K) {
     const int64_t blocks = N / BLOCK;
     const size_t y_size = y_kind == I4_F32 ? 4 : 2;
-#pragma omp parallel for schedule(static) if (parallel)
+#pragma omp for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *c = codes + b * K * 32;
         /* row tiles of as even a size as MT_MAX allows (16 rows: 8 and 8, not 12 and 4) */
@@ -167,6 +168,17 @@ int kvscope_int4_gemm(void *y, int y_kind, const void *x, int x_kind, const uint
             }
         }
     }
+}
+
+int kvscope_int4_gemm(void *y, int y_kind, const void *x, int x_kind, const uint8_t *codes,
+                      const uint16_t *scale_zero, int64_t M, int64_t N, int64_t K,
+                      int parallel) {
+    if (M == 0) return 0;
+    float *xf = malloc(sizeof(float) * (size_t)(M * K));
+    if (!xf) return 1;
+    kvscope_int4_round_rows(xf, x, x_kind, M * K);
+#pragma omp parallel if (parallel)
+    kvscope_int4_team(y, y_kind, xf, codes, scale_zero, M, N, K);
     free(xf);
     return 0;
 }

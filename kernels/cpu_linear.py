@@ -53,7 +53,7 @@ def implementation(x: torch.Tensor, weight: torch.Tensor) -> str:
     n, k = weight.shape
     rows = x.numel() // k
     threads = torch.get_num_threads()
-    fast_key = ("linear", weight.dtype, n, k, bucket(rows), threads)
+    fast_key = _key(weight.dtype, n, k, rows)
     chooser = kernel_choice.default()
     got = chooser.fast(fast_key)
     if got is not None:
@@ -64,6 +64,16 @@ def implementation(x: torch.Tensor, weight: torch.Tensor) -> str:
             "rows": f"{top}+" if top == TOP_BUCKET else f"<={top}", "threads": threads}
     name = f"linear {dtype} {n}x{k} rows{info['rows']} {kernel_choice.threads_name(threads)}"
     return chooser.choose(name, candidates(x, weight), info, fast_key)
+
+
+def chosen(dtype: torch.dtype, n: int, k: int, rows: int) -> str | None:
+    """The implementation already chosen for x W^T with W [n, k] of `dtype` and `rows` input
+    rows, or None (not measured yet)."""
+    return kernel_choice.default().fast(_key(dtype, n, k, rows))
+
+
+def _key(dtype: torch.dtype, n: int, k: int, rows: int) -> tuple[object, ...]:
+    return ("linear", dtype, n, k, bucket(rows), torch.get_num_threads())
 
 
 def row_invariant_only(dtype: torch.dtype, rows: int) -> bool:

@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_team.h"
 #include "cpu_vec.h"
 
 enum { G_F32 = 0, G_BF16 = 1 };
@@ -75,51 +76,62 @@ static const tile_fn tiles1[] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile
  * over torch's threads, else run on the calling thread (which of the two is faster for a
  * weight is measured per machine: kernels/kernel_choice.py). Returns 1 if scratch could not
  * be had. */
+void kvscope_gemm_widen_rows(float *xf, const void *x, int x_kind, int64_t count) {
+    for (int64_t i = 0; i < count; i++) xf[i] = scalar_at(x, i, x_kind);
+}
+
+/* The groups of 4 weight rows shared out over the calling region's threads (cpu_team.h). */
+void kvscope_gemm_team(void *y, int y_kind, const float *xf, const void *w, int w_kind,
+                       const float *bias, int64_t M, int64_t N, int64_t K, int *status) {
+    const int64_t groups = (N + 3) / 4;
+    const size_t y_size = y_kind == G_F32 ? 4 : 2, w_size = w_kind == G_F32 ? 4 : 2;
+    /* With more input rows than one tile, bfloat16 weights are converted once per group
+     * into float32 scratch rather than once per tile. */
+    const int widen = w_kind != G_F32 && M > MT_MAX;
+    float *wide = widen ? malloc(sizeof(float) * (size_t)(4 * K)) : NULL;
+    if (widen && !wide) {
+#pragma omp atomic write
+        *status = 1;
+    }
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        if (widen && !wide) continue;
+        int64_t n = 4 * g, rows = N - n < 4 ? N - n : 4;
+        const void *wg = (const char *)w + (size_t)(n * K) * w_size;
+        int wk = w_kind;
+        if (widen) {
+            for (int64_t i = 0; i < rows * K; i++) wide[i] = scalar_at(wg, i, w_kind);
+            wg = wide;
+            wk = G_F32;
+        }
+        for (int64_t m = 0; m < M; m += MT_MAX) {
+            int64_t mt = M - m < MT_MAX ? M - m : MT_MAX;
+            char *ym = (char *)y + (size_t)(m * N) * y_size;
+            if (rows == 4) {
+                tiles4[mt](ym, y_kind, N, xf + m * K, wg, wk, bias, K, n);
+            } else {
+                for (int64_t r = 0; r < rows; r++)
+                    tiles1[mt](ym, y_kind, N, xf + m * K,
+                               (const char *)wg + (size_t)(r * K) * (wk == G_F32 ? 4 : 2),
+                               wk, bias, K, n + r);
+            }
+        }
+    }
+    free(wide);
+}
+
 int kvscope_gemm(void *y, int y_kind, const void *x, int x_kind, const void *w, int w_kind,
                  const float *bias, int64_t M, int64_t N, int64_t K, int parallel) {
     float *xf = (float *)x, *own = NULL;
     if (x_kind != G_F32) {
         own = malloc(sizeof(float) * (size_t)(M * K));
         if (!own) return 1;
-        for (int64_t i = 0; i < M * K; i++) own[i] = scalar_at(x, i, x_kind);
+        kvscope_gemm_widen_rows(own, x, x_kind, M * K);
         xf = own;
     }
-    const int64_t groups = (N + 3) / 4;
-    const size_t y_size = y_kind == G_F32 ? 4 : 2, w_size = w_kind == G_F32 ? 4 : 2;
-    /* With more input rows than one tile, bfloat16 weights are converted once per group
-     * into float32 scratch rather than once per tile. */
-    const int widen = w_kind != G_F32 && M > MT_MAX;
     int failed = 0;
-#pragma omp parallel if (parallel) reduction(| : failed)
-    {
-        float *wide = widen ? malloc(sizeof(float) * (size_t)(4 * K)) : NULL;
-        if (widen && !wide) failed = 1;
-#pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++) {
-            if (widen && !wide) continue;
-            int64_t n = 4 * g, rows = N - n < 4 ? N - n : 4;
-            const void *wg = (const char *)w + (size_t)(n * K) * w_size;
-            int wk = w_kind;
-            if (widen) {
-                for (int64_t i = 0; i < rows * K; i++) wide[i] = scalar_at(wg, i, w_kind);
-                wg = wide;
-                wk = G_F32;
-            }
-            for (int64_t m = 0; m < M; m += MT_MAX) {
-                int64_t mt = M - m < MT_MAX ? M - m : MT_MAX;
-                char *ym = (char *)y + (size_t)(m * N) * y_size;
-                if (rows == 4) {
-                    tiles4[mt](ym, y_kind, N, xf + m * K, wg, wk, bias, K, n);
-                } else {
-                    for (int64_t r = 0; r < rows; r++)
-                        tiles1[mt](ym, y_kind, N, xf + m * K,
-                                   (const char *)wg + (size_t)(r * K) * (wk == G_F32 ? 4 : 2),
-                                   wk, bias, K, n + r);
-                }
-            }
-        }
-        free(wide);
-    }
+#pragma omp parallel if (parallel)
+    kvscope_gemm_team(y, y_kind, xf, w, w_kind, bias, M, N, K, &failed);
     free(own);
     return failed;
 }

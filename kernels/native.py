@@ -25,8 +25,10 @@ if TYPE_CHECKING:
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "cpu_decode_attention.c", HERE / "cpu_decode_glue.c",
-           HERE / "cpu_small_gemm.c", HERE / "cpu_int4_gemm.c", HERE / "cpu_kv_write.c")
-HEADERS = (HERE / "cpu_vec.h",)  # not compiled on their own, but part of the cache key
+           HERE / "cpu_small_gemm.c", HERE / "cpu_int4_gemm.c", HERE / "cpu_kv_write.c",
+           HERE / "cpu_decode_step.c")
+# not compiled on their own, but part of the cache key
+HEADERS = (HERE / "cpu_vec.h", HERE / "cpu_team.h")
 ENV = "KVSCOPE_CPU_KERNELS"
 # A hung compiler must not hang the engine, but a loaded machine compiles slowly: 120 s
 # timed out on a 2-core machine running several test processes at once.
@@ -54,10 +56,12 @@ SIGNATURES = {
     "kvscope_rope_write_kv": [P, I64, P, P, P, I64, P, P, F32, P, P, P, P, P, P, I64, I64, I64,
                               INT, INT, P, P, P, P],
     "kvscope_rotate_rows": [P, I64, I64, P, P, INT],
+    "kvscope_decode_step": [P, P],  # (step_plan, step_layer[]): engine/fused_one_region.py
 }
 
 
-RETURNS_STATUS = ("kvscope_paged_decode", "kvscope_gemm", "kvscope_int4_gemm")
+RETURNS_STATUS = ("kvscope_paged_decode", "kvscope_gemm", "kvscope_int4_gemm",
+                  "kvscope_decode_step")
 
 
 def cache_dirs() -> list[Path]:

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from kvscope.engine import LLM, EngineConfig, SamplingParams, fused_decode
+from kvscope.engine import LLM, EngineConfig, SamplingParams, fused_decode, fused_one_region
 from kvscope.engine.server import snapshots
 from kvscope.kernels import native
 from kvscope.testing.hf_reference import hf_greedy
@@ -166,6 +166,9 @@ def test_each_family_feature_changes_the_fused_step(checkpoints, arch, monkeypat
     """The comparison above would catch a feature the fused step skipped: on these tiny
     models, turning any one of them off in the fused step alone moves its hidden states far
     past the float32 bound."""
+    # The ablations patch the kernel-by-kernel step's Python (engine.fused_one_region has
+    # its own equality test against it on every family).
+    monkeypatch.setenv(fused_one_region.ENV, "off")
     llm = make_llm(checkpoints(arch))
     # Keep the blocks behind an all-windowed model's window (mistral frees them): switching
     # the window off must read them, and this asks what the fused attention's window does.

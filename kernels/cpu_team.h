@@ -1,0 +1,62 @@
+/* The parallel kernels split into a plan (made on one thread), a team part (run by every
+ * thread of an OpenMP region: its loops are orphaned `omp for`s that bind to whichever region
+ * calls them) and a free. Each kernel's own entry point opens a region around its team part;
+ * kernels/cpu_decode_step.c runs the team parts of a whole decode step inside one region, so
+ * the threads wake once a step instead of five times a layer.
+ */
+#ifndef KVSCOPE_CPU_TEAM_H
+#define KVSCOPE_CPU_TEAM_H
+
+#include <stdint.h>
+
+/* The decode attention (kernels/cpu_decode_attention.c, kvscope_paged_decode's arguments). */
+typedef struct {
+    void *out;
+    const void *query;
+    const int64_t *rows, *tables;
+    int64_t table_stride;
+    const int64_t *lens;
+    int64_t first, last;
+    const void *k_cache, *v_cache;
+    const float *k_scale, *v_scale;
+    int64_t num_heads, num_kv_heads, head_dim, block_size;
+    int kind;
+    float sm_scale;
+    int io_bf16;
+    const float *anchor_k, *anchor_v;
+    const int64_t *anchor_idx;
+    int64_t anchor_len, window;
+    float softcap;
+} decode_call;
+
+typedef struct {
+    int64_t row0, rows, k;  /* rows row0 .. row0 + rows - 1, span k of each */
+} shared_span;
+
+/* A call's work items: spans of its sequences' positions, some shared by rows that read the
+ * same blocks. parallel: whether the work is worth more than one thread. */
+typedef struct {
+    int64_t items, nshared, widest, widest_group, stride, span;
+    int64_t *first_item, *covered;
+    float *part;
+    shared_span *shared;
+    int parallel;
+} decode_plan;
+
+int kvscope_decode_plan_make(decode_plan *p, const decode_call *c);
+void kvscope_decode_team(const decode_call *c, const decode_plan *p, int *status);
+void kvscope_decode_plan_free(decode_plan *p);
+
+/* The int4 matmul (kernels/cpu_int4_gemm.c): xf [M, K] float32, the input rounded to
+ * bfloat16 (kvscope_int4_round_rows). */
+void kvscope_int4_round_rows(float *xf, const void *x, int x_kind, int64_t count);
+void kvscope_int4_team(void *y, int y_kind, const float *xf, const uint8_t *codes,
+                       const uint16_t *scale_zero, int64_t M, int64_t N, int64_t K);
+
+/* The dense small-row matmul (kernels/cpu_small_gemm.c): xf [M, K] float32
+ * (kvscope_gemm_widen_rows). */
+void kvscope_gemm_widen_rows(float *xf, const void *x, int x_kind, int64_t count);
+void kvscope_gemm_team(void *y, int y_kind, const float *xf, const void *w, int w_kind,
+                       const float *bias, int64_t M, int64_t N, int64_t K, int *status);
+
+#endif
