@@ -5,7 +5,10 @@ float32; dense float32 ones go through the native small-row matmul, kernels.cpu_
 the rest of a layer, thirty to seventy small torch ops (norms, RoPE, the KV write,
 conversions, SiLU, residual adds), costs as much again in dispatch alone. Here a layer is its
 four matmuls and four calls into kernels/cpu_decode_glue.c and the native decode attention:
-norm (with the residual add), RoPE + KV write, attention, SiLU x up.
+norm (with the residual add), RoPE + KV write, attention, SiLU x up. Once every matmul's
+implementation is chosen and native, engine.fused_one_region runs the same calls for every
+layer inside one native call and one OpenMP region (the same bits, without a thread wake-up
+per kernel); run_layers below is the kernel-by-kernel step it replaces.
 
 The families of engine.model_family each fit in those calls: qwen3/gemma3's per-head q/k
 RMSNorm and phi3's partial rotary in the RoPE call, gemma's gelu-tanh in the GLU call, gemma's
