@@ -10,10 +10,16 @@ gather, QK^T, softmax and PV), its KV writes (engine.model.write_kv, quantizing 
 and its matmul calls (each layer's qkv, o, gate_up and down, and the LM head) are timed with
 perf_counter wrappers, so the shares add up against the step's wall time on one thread of
 work. Shares, not absolute times, are what to compare on a shared machine.
+
+The one-region decode step (engine.fused_one_region) runs every layer's kernels inside one
+native call, where no wrapper sees them; so the profile runs the kernel-by-kernel fused step
+it replaces (KVSCOPE_ONE_REGION=off for the timed steps), the same kernels with a thread
+wake-up each: compare its step time with `long_context`'s, not with a user's.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import time
@@ -102,12 +108,20 @@ def run(args) -> dict:
 
     kernels = (model_module.paged_attention, model_module.write_kv)
     fused_kernels = (fused.attention, fused.int4, fused.dense)
+    from kvscope.engine import fused_one_region
+
     clocks = instrument(engine.model)
+    one_region = os.environ.get(fused_one_region.ENV)
+    os.environ[fused_one_region.ENV] = "off"
     try:
         step = per_call_seconds(engine.step, args.steps, warmup=0)
-    finally:  # the module-level wrappers must not outlive this run
+    finally:  # the module-level wrappers and the setting must not outlive this run
         model_module.paged_attention, model_module.write_kv = kernels
         fused.attention, fused.int4, fused.dense = fused_kernels
+        if one_region is None:
+            del os.environ[fused_one_region.ENV]
+        else:
+            os.environ[fused_one_region.ENV] = one_region
     attention, kv_write, matmul = (clocks[k].seconds / args.steps
                                    for k in ("attention", "kv_write", "matmul"))
     return {
