@@ -9,6 +9,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_glue.h"
 #include "cpu_vec.h"
 
 /* A row of n io values as float32 into dst, and back. */

@@ -18,27 +18,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_glue.h"
 #include "cpu_team.h"
 #include "cpu_vec.h"
-
-/* The glue (kernels/cpu_decode_glue.c, kernels/cpu_kv_write.c, the same library). */
-void kvscope_add_rms_norm(float *h, const void *y, const float *w, float eps, void *out,
-                          int64_t rows, int64_t n, int io);
-void kvscope_add(float *h, const void *y, int64_t count, int io);
-void kvscope_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int io);
-void kvscope_gelu_tanh_mul(const void *gate_up, void *out, int64_t rows, int64_t inter,
-                           int io);
-void kvscope_add_normed_rms_norm(float *h, const void *y, const float *y_w, const float *w,
-                                 float eps, void *out, int64_t rows, int64_t n, int io);
-void kvscope_rope_write_kv(const void *qkv, int64_t rows, const int64_t *positions,
-                           const float *cos_table, const float *sin_table, int64_t rot,
-                           const float *q_norm, const float *k_norm, float eps, float *q_out,
-                           void *k_cache, void *v_cache, float *k_scale, float *v_scale,
-                           const int64_t *slots, int64_t heads, int64_t kv_heads, int64_t d,
-                           int kind, int io, const float *R, const float *shift,
-                           const float *gain, const float *q_gain);
-void kvscope_rotate_rows(const float *x, int64_t n, int64_t d, const float *R, void *out,
-                         int io);
 
 /* One matmul: int4 (w: torch's packed codes, scale_zero) or dense (w [n, k] in the rows'
  * dtype), no bias. */

@@ -14,6 +14,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "cpu_glue.h"
 #include "cpu_vec.h"
 
 #define MAX_D 1024

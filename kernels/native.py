@@ -28,7 +28,7 @@ SOURCES = (HERE / "cpu_decode_attention.c", HERE / "cpu_decode_glue.c",
            HERE / "cpu_small_gemm.c", HERE / "cpu_int4_gemm.c", HERE / "cpu_kv_write.c",
            HERE / "cpu_decode_step.c")
 # not compiled on their own, but part of the cache key
-HEADERS = (HERE / "cpu_vec.h", HERE / "cpu_team.h")
+HEADERS = (HERE / "cpu_vec.h", HERE / "cpu_team.h", HERE / "cpu_glue.h")
 ENV = "KVSCOPE_CPU_KERNELS"
 # A hung compiler must not hang the engine, but a loaded machine compiles slowly: 120 s
 # timed out on a 2-core machine running several test processes at once.
