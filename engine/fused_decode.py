@@ -381,14 +381,16 @@ def run_layers(model: FusedModel, input_ids: torch.Tensor, positions: torch.Tens
     if io_dtype is None or tables is None:
         raise ValueError("this model's decode steps do not fuse (see matmul_plan)")
     s, rows = model.shape, len(input_ids)
-    step = Step(native.require_library(), model, tables, io_dtype, rows,
-                embed(model, input_ids), torch.empty(rows, s.hidden_size, dtype=io_dtype),
-                torch.empty(rows, s.num_heads, s.head_dim), positions.contiguous(),
-                meta.slot_mapping.contiguous(), int(pool.dtype == BF16))
+    h = embed(model, input_ids)
+    positions, slots = positions.contiguous(), meta.slot_mapping.contiguous()
     plan = pool_plan(pool)
+    if fused_one_region.run(model, plan, h, positions, slots, meta, io_dtype):
+        return h
+    step = Step(native.require_library(), model, tables, io_dtype, rows, h,
+                torch.empty(rows, s.hidden_size, dtype=io_dtype),
+                torch.empty(rows, s.num_heads, s.head_dim), positions, slots,
+                int(pool.dtype == BF16))
     step.kv = None if plan.plain else plan
-    if fused_one_region.run(model, plan, step.h, step.positions, step.slots, meta, io_dtype):
-        return step.h
     step.lib.kvscope_add_rms_norm(step.h.data_ptr(), None, tables.input_norms[0].data_ptr(),
                                   s.rms_norm_eps, step.x.data_ptr(), rows, s.hidden_size,
                                   step.io)

@@ -198,9 +198,7 @@ def run(model: FusedModel, kv: PoolPlan, h: torch.Tensor, positions: torch.Tenso
                "gate_up": torch.empty(rows, 2 * table.inter, dtype=io_dtype),
                "act": torch.empty(rows, table.inter, dtype=io_dtype),
                "q": q, "o": torch.empty_like(q), "xf": torch.empty(rows, table.widest_in)}
-    tables = model.fused_tables
-    if tables is None:
-        raise ValueError("this model's decode steps do not fuse (see matmul_plan)")
+    tables = model.fused_tables  # not None: layer_table checked it
     family = getattr(model, "family", None)
     plan = StepPlan(
         layers=len(model.layers), rows=rows, hidden=s.hidden_size, inter=table.inter,

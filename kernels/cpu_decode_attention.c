@@ -724,7 +724,7 @@ void kvscope_decode_team(const decode_call *c, const decode_plan *p, int *status
     free(scores);
     if (failed) {
 #pragma omp atomic write
-    *status = 1;
+        *status = 1;
     }
 }
 
