@@ -42,11 +42,15 @@ static inline __attribute__((always_inline)) void store(void *y, int64_t i, floa
 #define TILE(MT, R)                                                                         \
     static void tile_##MT##_##R(void *y, int y_kind, int64_t N, const float *x,            \
                                 const void *w, int w_kind, const float *bias, int64_t K,    \
-                                int64_t n) {                                                \
+                                int64_t n, const char *pf, int64_t pf_row) {                \
         v16f acc[MT][R];                                                                    \
         for (int m = 0; m < MT; m++)                                                        \
             for (int r = 0; r < R; r++) acc[m][r] = (v16f){0};                              \
+        const int64_t pf_step = w_kind == G_F32 ? 64 : 32;                                  \
         for (int64_t k = 0; k < K; k += 16) {                                               \
+            if (pf)                                                                         \
+                for (int r = 0; r < R; r++)                                                 \
+                    __builtin_prefetch(pf + r * pf_row + (k / 16) * pf_step, 0, 2);           \
             v16f wv[R];                                                                     \
             for (int r = 0; r < R; r++) wv[r] = load16(w, r * K + k, w_kind);                \
             for (int m = 0; m < MT; m++) {                                                  \
@@ -65,11 +69,12 @@ static inline __attribute__((always_inline)) void store(void *y, int64_t i, floa
 TILES(1) TILES(2) TILES(3) TILES(4) TILES(5) TILES(6)
 
 typedef void (*tile_fn)(void *, int, int64_t, const float *, const void *, int, const float *,
-                        int64_t, int64_t);
+                        int64_t, int64_t, const char *, int64_t);
 static const tile_fn tiles4[] = {0, tile_1_4, tile_2_4, tile_3_4, tile_4_4, tile_5_4, tile_6_4};
 static const tile_fn tiles1[] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile_5_1, tile_6_1};
 
 #define MT_MAX 6
+#define PF_AHEAD 1
 
 /* y [M, N] (y_kind) = x [M, K] (x_kind) W^T, W [N, K] (w_kind), plus bias [N] (float32)
  * when not NULL. All contiguous; K a multiple of 16. parallel: share the weight groups out
@@ -104,16 +109,24 @@ void kvscope_gemm_team(void *y, int y_kind, const float *xf, const void *w, int 
             wg = wide;
             wk = G_F32;
         }
+        /* The first tile of a group prefetches the group PF_AHEAD groups on (into L2): the
+         * hardware prefetcher only follows demand loads, so without this the memory stood
+         * idle while the later tiles of a group computed from L1, and a call of M rows took
+         * the weight's streaming time plus its compute time rather than the larger of the
+         * two. */
+        const char *pf = g + PF_AHEAD < groups
+            ? (const char *)w + (size_t)((n + 4 * PF_AHEAD) * K) * w_size : NULL;
         for (int64_t m = 0; m < M; m += MT_MAX) {
             int64_t mt = M - m < MT_MAX ? M - m : MT_MAX;
             char *ym = (char *)y + (size_t)(m * N) * y_size;
+            const char *pf_m = m == 0 ? pf : NULL;
             if (rows == 4) {
-                tiles4[mt](ym, y_kind, N, xf + m * K, wg, wk, bias, K, n);
+                tiles4[mt](ym, y_kind, N, xf + m * K, wg, wk, bias, K, n, pf_m, K * w_size);
             } else {
                 for (int64_t r = 0; r < rows; r++)
                     tiles1[mt](ym, y_kind, N, xf + m * K,
                                (const char *)wg + (size_t)(r * K) * (wk == G_F32 ? 4 : 2),
-                               wk, bias, K, n + r);
+                               wk, bias, K, n + r, NULL, 0);
             }
         }
     }
