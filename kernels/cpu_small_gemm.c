@@ -88,6 +88,10 @@ void kvscope_gemm_widen_rows(float *xf, const void *x, int x_kind, int64_t count
 /* The groups of 4 weight rows shared out over the calling region's threads (cpu_team.h). */
 void kvscope_gemm_team(void *y, int y_kind, const float *xf, const void *w, int w_kind,
                        const float *bias, int64_t M, int64_t N, int64_t K, int *status) {
+    if (w_kind == G_BF16 && kvscope_amx_fits(N, K)) {
+        kvscope_amx_bf16_team(y, y_kind == G_BF16, xf, w, bias, M, N, K, status);
+        return;
+    }
     const int64_t groups = (N + 3) / 4;
     const size_t y_size = y_kind == G_F32 ? 4 : 2, w_size = w_kind == G_F32 ? 4 : 2;
     /* With more input rows than one tile, bfloat16 weights are converted once per group

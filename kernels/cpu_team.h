@@ -59,4 +59,12 @@ void kvscope_gemm_widen_rows(float *xf, const void *x, int x_kind, int64_t count
 void kvscope_gemm_team(void *y, int y_kind, const float *xf, const void *w, int w_kind,
                        const float *bias, int64_t M, int64_t N, int64_t K, int *status);
 
+/* bfloat16 weights on AMX tiles (kernels/cpu_amx_gemm.c), which kvscope_gemm_team takes where
+ * kvscope_amx_fits(N, K): built with AMX, the kernel granted the tiles, N % 16 == 0 and
+ * K % 32 == 0. */
+int kvscope_amx_ready(void);
+int kvscope_amx_fits(int64_t N, int64_t K);
+void kvscope_amx_bf16_team(void *y, int y_bf16, const float *xf, const uint16_t *w,
+                           const float *bias, int64_t M, int64_t N, int64_t K, int *status);
+
 #endif

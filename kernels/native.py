@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 HERE = Path(__file__).parent
 SOURCES = (HERE / "cpu_decode_attention.c", HERE / "cpu_decode_glue.c",
            HERE / "cpu_small_gemm.c", HERE / "cpu_int4_gemm.c", HERE / "cpu_kv_write.c",
-           HERE / "cpu_decode_step.c")
+           HERE / "cpu_decode_step.c", HERE / "cpu_amx_gemm.c")
 # not compiled on their own, but part of the cache key
 HEADERS = (HERE / "cpu_vec.h", HERE / "cpu_team.h", HERE / "cpu_glue.h")
 ENV = "KVSCOPE_CPU_KERNELS"
@@ -57,11 +57,12 @@ SIGNATURES = {
                               INT, INT, P, P, P, P],
     "kvscope_rotate_rows": [P, I64, I64, P, P, INT],
     "kvscope_decode_step": [P, P],  # (step_plan, step_layer[]): engine/fused_one_region.py
+    "kvscope_amx_ready": [],
 }
 
 
 RETURNS_STATUS = ("kvscope_paged_decode", "kvscope_gemm", "kvscope_int4_gemm",
-                  "kvscope_decode_step")
+                  "kvscope_decode_step", "kvscope_amx_ready")
 
 
 def cache_dirs() -> list[Path]:

@@ -87,3 +87,38 @@ def test_float32_rows_round_alike_in_any_batch():
     assert "torch" not in cpu_linear.candidates(x[:16], w)
     assert "torch" in cpu_linear.candidates(torch.randn(300, 64), w)
     assert "torch" in cpu_linear.candidates(x[:16].bfloat16(), w.bfloat16())
+
+
+def amx_ready() -> bool:
+    return bool(native.require_library().kvscope_amx_ready())
+
+
+@pytest.mark.skipif(not native.available() or not amx_ready(),
+                    reason="no AMX tiles on this CPU (or not granted)")
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 33, 70])
+@pytest.mark.parametrize("n", [16, 48, 96])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bfloat16_on_amx_tiles_matches_float64_and_torch(rows, n, bias):
+    """N a multiple of 16 and K of 32 take the AMX tiles (kernels/cpu_amx_gemm.c): across its
+    edges (one or two 16-row weight tiles a pass, one or two 16-row input blocks, a partial
+    block), sums in float32 rounded once to bfloat16, as torch's."""
+    x, w, b = case(rows, n, 96, torch.bfloat16, bias, seed=2)
+    bias_f32 = None if b is None else b.float()
+    got = cpu_linear.native_linear(x, w, bias_f32)
+    assert torch.equal(cpu_linear.native_linear(x, w, bias_f32, parallel=False), got)
+    exact = x.double() @ w.double().t() + (0 if b is None else b.double())
+    torch.testing.assert_close(got.double(), exact, rtol=2 ** -7, atol=2 ** -7)
+    want = F.linear(x, w, b)
+    assert (got.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
+
+
+@pytest.mark.skipif(not native.available() or not amx_ready(),
+                    reason="no AMX tiles on this CPU (or not granted)")
+def test_bfloat16_rows_on_amx_tiles_round_alike_in_any_batch():
+    """A row's tile sums never meet another row's: the same bits alone and among 70 rows."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(64, 128, generator=g).bfloat16()
+    x = torch.randn(70, 128, generator=g).bfloat16()
+    alone = torch.cat([cpu_linear.native_linear(x[i:i + 1], w) for i in range(len(x))])
+    for m in (2, 16, 17, 70):
+        assert torch.equal(cpu_linear.native_linear(x[:m], w), alone[:m])
