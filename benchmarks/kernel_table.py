@@ -113,15 +113,15 @@ def format_kernel_table(r: dict[str, Any]) -> str:
                 if r["cache_ignored_reason"] else ""), ""]
     names = sorted({c for d in r["decisions"] for c in d["times_ms"]})
     head = (f"{'op':<7}{'dtype':<10}{'weight':>11}{'rows':>7}{'thr':>4}  "
-            + "".join(f"{n + ' ms':>18}" for n in names) + f"  {'choice':<14}{'':<9}load")
+            + "".join(f"{n + ' ms':>22}" for n in names) + f"  {'choice':<19}{'':<9}load")
     lines += [head, "-" * len(head)]
     for d in r["decisions"]:
-        times = "".join(f"{d['times_ms'][n]:>18.3f}" if n in d["times_ms"] else f"{'-':>18}"
+        times = "".join(f"{d['times_ms'][n]:>22.3f}" if n in d["times_ms"] else f"{'-':>22}"
                         for n in names)
         load = d.get("loadavg_1m")
         lines.append(f"{d.get('op', '?'):<7}{d.get('dtype', '?'):<10}{d.get('shape', '?'):>11}"
                      f"{d.get('rows', '?'):>7}{d.get('threads', '?'):>4}  {times}  "
-                     f"{d['choice']:<14}{d['source']:<9}{'-' if load is None else load}")
+                     f"{d['choice']:<19}{d['source']:<9}{'-' if load is None else load}")
     return "\n".join(lines)
 
 

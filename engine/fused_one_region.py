@@ -39,7 +39,8 @@ MATMULS = ("qkv", "o_proj", "gate_up", "down")
 
 
 class StepMatmul(ctypes.Structure):
-    _fields_ = [("w", P), ("scale_zero", P), ("n", I64), ("k", I64), ("int4", I64)]
+    _fields_ = [("w", P), ("scale_zero", P), ("n", I64), ("k", I64), ("int4", I64),
+                ("paths", I64)]  # paths: set per step from the chosen implementation
 
 
 class StepLayer(ctypes.Structure):
@@ -75,6 +76,7 @@ class LayerTable:
     matmuls: list[Linear]  # one of each distinct (kind, shape): what eligibility asks about
     widest_in: int
     inter: int
+    paths: dict[tuple[int, int], int] | None = None  # what the layers' StepMatmuls hold now
 
 
 # model -> (what the table was built from, table): rebuilt when the model's pool (a
@@ -158,22 +160,37 @@ def _matmul(linear: Linear, keep: list[torch.Tensor]) -> StepMatmul:
     return StepMatmul(linear.weight.data_ptr(), None, n, k, 0)
 
 
-def chosen_native(matmuls: Sequence[Linear], rows: int, io_dtype: torch.dtype) -> bool:
-    """Whether every matmul has an implementation chosen for this row count and none is
-    torch's (the one-region step calls the native kernels only)."""
+def chosen_paths(matmuls: Sequence[Linear], rows: int, io_dtype: torch.dtype
+                 ) -> dict[tuple[int, int], int] | None:
+    """Per dense weight shape, the bfloat16 hardware paths its chosen native implementation
+    takes (cpu_linear.PATHS); None unless every matmul has an implementation chosen for this
+    row count and none is torch's (the one-region step calls the native kernels only)."""
+    paths: dict[tuple[int, int], int] = {}
     for linear in matmuls:
         n, k = linear.shape
         if isinstance(linear, Int4Linear):
             if not cpu_int4.supports(n, k):
-                return False
+                return None
             impl = cpu_int4.implementation(rows, n, k)
         elif isinstance(linear, DenseLinear) and linear.native:
             impl = cpu_linear.chosen(io_dtype, n, k, rows)
+            paths[(n, k)] = cpu_linear.PATHS.get(impl, 0)
         else:
-            return False
+            return None
         if impl is None or impl == cpu_linear.TORCH:
-            return False
-    return True
+            return None
+    return paths
+
+
+def set_paths(table: LayerTable, paths: dict[tuple[int, int], int]) -> None:
+    """Each dense matmul's hardware paths for this step (only written when they change)."""
+    if table.paths == paths:
+        return
+    for row in table.layers:
+        for name in MATMULS:
+            m = getattr(row, name)
+            m.paths = paths.get((m.n, m.k), 0) if not m.int4 else 0
+    table.paths = dict(paths)
 
 
 def run(model: FusedModel, kv: PoolPlan, h: torch.Tensor, positions: torch.Tensor,
@@ -185,8 +202,10 @@ def run(model: FusedModel, kv: PoolPlan, h: torch.Tensor, positions: torch.Tenso
         return False
     table = layer_table(model, kv)
     rows = h.shape[0]
-    if not chosen_native(table.matmuls, rows, io_dtype):
+    paths = chosen_paths(table.matmuls, rows, io_dtype)
+    if paths is None:
         return False
+    set_paths(table, paths)
     s, pool = model.shape, kv.pool
     att_rows, block_tables, lens, anchor_idx = cpu_attention.decode_rows(meta)
     qkv_n = model.layers[0].qkv.shape[0]

@@ -27,7 +27,7 @@
 typedef struct {
     const void *w;
     const uint16_t *scale_zero;
-    int64_t n, k, int4;
+    int64_t n, k, int4, paths; /* paths: bfloat16's hardware paths (cpu_team.h) */
 } step_matmul;
 
 /* One layer: its matmuls, RoPE tables and per-head norms, KV pool layer (scales, K balance,
@@ -85,7 +85,7 @@ static void matmul_team(const step_plan *s, const step_matmul *m, const float *x
         kvscope_int4_team(y, 1, xf, m->w, m->scale_zero, s->rows, m->n, m->k);
     else
         kvscope_gemm_team(y, (int)s->io, xf, m->w, (int)s->io, NULL, s->rows, m->n, m->k,
-                          status);
+                          (int)m->paths, status);
 }
 
 static decode_call attention_call(const step_plan *s, const step_layer *l) {

@@ -21,6 +21,7 @@ long prefill chunks, whose rows are many anyway.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -30,6 +31,14 @@ from kvscope.kernels import kernel_choice, native
 
 KINDS = {torch.float32: 0, torch.bfloat16: 1}
 NATIVE, SERIAL, TORCH = "native", "native-serial", "torch"
+# bfloat16 on a CPU with AMX tiles: the kernel without them (AVX-512 BF16 dot products where
+# there, else widened), on torch's threads or the calling one. The tiles win from a few rows
+# up; one row is memory-bound, and there the tiles' 16-row reads lost (0.139 against 0.093 ms
+# for 3072x576 on the AMX Xeon of 2026-12-06), so which runs is measured like the rest.
+VEC, VEC_SERIAL = "native-vec", "native-vec-serial"
+AMX, DOT = 1, 2  # kernels/cpu_team.h KVSCOPE_BF16_*: the hardware paths a call may take
+PATHS = {NATIVE: AMX | DOT, SERIAL: AMX | DOT, VEC: DOT, VEC_SERIAL: DOT}
+PARALLEL = (NATIVE, VEC)
 TOP_BUCKET = 256
 
 
@@ -84,14 +93,27 @@ def row_invariant_only(dtype: torch.dtype, rows: int) -> bool:
 def candidates(x: torch.Tensor, weight: torch.Tensor) -> dict[str, Callable[[], object]]:
     """The implementations compared, each on x's first TOP_BUCKET rows (the serial kernel
     only where there is more than one thread to compare with; torch's matmul not for
-    float32 below TOP_BUCKET rows, row_invariant_only)."""
+    float32 below TOP_BUCKET rows, row_invariant_only; the kernel without AMX tiles where
+    they would run)."""
     rows = x.reshape(-1, weight.shape[1])[:TOP_BUCKET].contiguous()
-    got: dict[str, Callable[[], object]] = {NATIVE: lambda: native_linear(rows, weight)}
+    serial = torch.get_num_threads() > 1
+    names = [NATIVE, SERIAL] if serial else [NATIVE]
+    if amx_applies(weight):
+        names += [VEC, VEC_SERIAL] if serial else [VEC]
+    got: dict[str, Callable[[], object]] = {
+        name: functools.partial(native_linear, rows, weight, None, name in PARALLEL,
+                                PATHS[name]) for name in names}
     if not row_invariant_only(weight.dtype, len(rows)):
         got[TORCH] = lambda: F.linear(rows, weight)
-    if torch.get_num_threads() > 1:
-        got[SERIAL] = lambda: native_linear(rows, weight, parallel=False)
     return got
+
+
+def amx_applies(weight: torch.Tensor) -> bool:
+    """Whether the kernel would take this bfloat16 weight on AMX tiles (built with them,
+    granted by the OS, N % 16 == 0 and K % 32 == 0)."""
+    n, k = weight.shape
+    return (weight.dtype == torch.bfloat16 and n % 16 == 0 and k % 32 == 0
+            and bool(native.require_library().kvscope_amx_ready()))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -102,20 +124,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     impl = implementation(x, weight)
     if impl == TORCH:
         return F.linear(x, weight, bias)
-    return native_linear(x, weight, bias_f32, parallel=impl == NATIVE)
+    return native_linear(x, weight, bias_f32, impl in PARALLEL, PATHS[impl])
 
 
 def native_linear(x: torch.Tensor, weight: torch.Tensor,
-                  bias_f32: torch.Tensor | None = None, parallel: bool = True) -> torch.Tensor:
+                  bias_f32: torch.Tensor | None = None, parallel: bool = True,
+                  paths: int = AMX | DOT) -> torch.Tensor:
     """x W^T (+ b) through the kernel whatever the row count (`supports(weight)` assumed, x in
-    the weight's dtype); parallel: on torch's threads, else on the calling one."""
+    the weight's dtype); parallel: on torch's threads, else on the calling one; paths: the
+    hardware paths a bfloat16 weight may take (AMX, DOT)."""
     n, k = weight.shape
     rows = x.reshape(-1, k).contiguous()
     y = torch.empty((rows.shape[0], n), dtype=x.dtype)
     kind = KINDS[x.dtype]
     status = native.require_library().kvscope_gemm(
         y.data_ptr(), kind, rows.data_ptr(), kind, weight.data_ptr(), kind,
-        native.address(bias_f32), rows.shape[0], n, k, int(parallel))
+        native.address(bias_f32), rows.shape[0], n, k, int(parallel), paths)
     if status:
         raise MemoryError("the CPU matmul kernel could not allocate its scratch")
     return y.view(*x.shape[:-1], n)

@@ -80,16 +80,21 @@ static const tile_fn tiles1[] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile
  * when not NULL. All contiguous; K a multiple of 16. parallel: share the weight groups out
  * over torch's threads, else run on the calling thread (which of the two is faster for a
  * weight is measured per machine: kernels/kernel_choice.py). Returns 1 if scratch could not
- * be had. */
+ * be had. paths: which hardware paths bfloat16 weights may take (cpu_team.h). */
 void kvscope_gemm_widen_rows(float *xf, const void *x, int x_kind, int64_t count) {
     for (int64_t i = 0; i < count; i++) xf[i] = scalar_at(x, i, x_kind);
 }
 
 /* The groups of 4 weight rows shared out over the calling region's threads (cpu_team.h). */
 void kvscope_gemm_team(void *y, int y_kind, const float *xf, const void *w, int w_kind,
-                       const float *bias, int64_t M, int64_t N, int64_t K, int *status) {
-    if (w_kind == G_BF16 && kvscope_amx_fits(N, K)) {
+                       const float *bias, int64_t M, int64_t N, int64_t K, int paths,
+                       int *status) {
+    if (w_kind == G_BF16 && (paths & KVSCOPE_BF16_AMX) && kvscope_amx_fits(N, K)) {
         kvscope_amx_bf16_team(y, y_kind == G_BF16, xf, w, bias, M, N, K, status);
+        return;
+    }
+    if (w_kind == G_BF16 && (paths & KVSCOPE_BF16_DOT) && kvscope_dpbf16_fits(K)) {
+        kvscope_dpbf16_team(y, y_kind == G_BF16, xf, w, bias, M, N, K, status);
         return;
     }
     const int64_t groups = (N + 3) / 4;
@@ -138,7 +143,7 @@ void kvscope_gemm_team(void *y, int y_kind, const float *xf, const void *w, int 
 }
 
 int kvscope_gemm(void *y, int y_kind, const void *x, int x_kind, const void *w, int w_kind,
-                 const float *bias, int64_t M, int64_t N, int64_t K, int parallel) {
+                 const float *bias, int64_t M, int64_t N, int64_t K, int parallel, int paths) {
     float *xf = (float *)x, *own = NULL;
     if (x_kind != G_F32) {
         own = malloc(sizeof(float) * (size_t)(M * K));
@@ -148,7 +153,7 @@ int kvscope_gemm(void *y, int y_kind, const void *x, int x_kind, const void *w, 
     }
     int failed = 0;
 #pragma omp parallel if (parallel)
-    kvscope_gemm_team(y, y_kind, xf, w, w_kind, bias, M, N, K, &failed);
+    kvscope_gemm_team(y, y_kind, xf, w, w_kind, bias, M, N, K, paths, &failed);
     free(own);
     return failed;
 }

@@ -56,8 +56,14 @@ void kvscope_int4_team(void *y, int y_kind, const float *xf, const uint8_t *code
 /* The dense small-row matmul (kernels/cpu_small_gemm.c): xf [M, K] float32
  * (kvscope_gemm_widen_rows). */
 void kvscope_gemm_widen_rows(float *xf, const void *x, int x_kind, int64_t count);
+/* paths: which hardware paths bfloat16 weights may take, each where the CPU and the shape
+ * allow, best first: AMX tiles, AVX-512 BF16 dot products; else widened to float32. Which
+ * mask runs a weight is measured per machine and row count (kernels/cpu_linear.py): the tiles
+ * win from a few rows up, and lose to the dot products on one row, which is memory-bound. */
+enum { KVSCOPE_BF16_AMX = 1, KVSCOPE_BF16_DOT = 2 };
 void kvscope_gemm_team(void *y, int y_kind, const float *xf, const void *w, int w_kind,
-                       const float *bias, int64_t M, int64_t N, int64_t K, int *status);
+                       const float *bias, int64_t M, int64_t N, int64_t K, int paths,
+                       int *status);
 
 /* bfloat16 weights on AMX tiles (kernels/cpu_amx_gemm.c), which kvscope_gemm_team takes where
  * kvscope_amx_fits(N, K): built with AMX, the kernel granted the tiles, N % 16 == 0 and
@@ -66,5 +72,11 @@ int kvscope_amx_ready(void);
 int kvscope_amx_fits(int64_t N, int64_t K);
 void kvscope_amx_bf16_team(void *y, int y_bf16, const float *xf, const uint16_t *w,
                            const float *bias, int64_t M, int64_t N, int64_t K, int *status);
+
+/* bfloat16 weights on AVX-512 BF16 dot products (kernels/cpu_dpbf16_gemm.c), where the kernel
+ * was built with them and K % 32 == 0. */
+int kvscope_dpbf16_fits(int64_t K);
+void kvscope_dpbf16_team(void *y, int y_bf16, const float *xf, const uint16_t *w,
+                         const float *bias, int64_t M, int64_t N, int64_t K, int *status);
 
 #endif

@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 HERE = Path(__file__).parent
 SOURCES = (HERE / "cpu_decode_attention.c", HERE / "cpu_decode_glue.c",
            HERE / "cpu_small_gemm.c", HERE / "cpu_int4_gemm.c", HERE / "cpu_kv_write.c",
-           HERE / "cpu_decode_step.c", HERE / "cpu_amx_gemm.c")
+           HERE / "cpu_decode_step.c", HERE / "cpu_amx_gemm.c",
+           HERE / "cpu_dpbf16_gemm.c")
 # not compiled on their own, but part of the cache key
 HEADERS = (HERE / "cpu_vec.h", HERE / "cpu_team.h", HERE / "cpu_glue.h")
 ENV = "KVSCOPE_CPU_KERNELS"
@@ -49,7 +50,7 @@ SIGNATURES = {
                                 INT],
     "kvscope_gelu_tanh_mul": [P, P, I64, I64, INT],
     "kvscope_add_normed_rms_norm": [P, P, P, P, F32, P, I64, I64, INT],
-    "kvscope_gemm": [P, INT, P, INT, P, INT, P, I64, I64, I64, INT],
+    "kvscope_gemm": [P, INT, P, INT, P, INT, P, I64, I64, I64, INT, INT],  # ..., parallel, paths
     "kvscope_int4_gemm": [P, INT, P, INT, P, P, I64, I64, I64, INT],
     "kvscope_kv_write": [P, I64, I64, I64, P, P, P, P, P, P, INT],
     # ..., kind, io, R, shift, gain, q_gain (the KV pool's kind and transforms)

@@ -81,13 +81,34 @@ def test_one_region_stores_through_every_pool_transform(tiny, rotation, anchors,
     assert_same(by_kernel, one)
 
 
-def test_one_region_takes_bfloat16_dense_rows(tiny, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("impl", [cpu_linear.NATIVE, cpu_linear.VEC, cpu_linear.VEC_SERIAL])
+def test_one_region_takes_bfloat16_dense_rows(tiny, impl, monkeypatch):  # noqa: F811
     # torch's matmul may win the measured choice for bfloat16 here; both ways must run the
-    # native kernel for their bits to be comparable
-    monkeypatch.setattr(cpu_linear, "implementation", lambda x, w: cpu_linear.NATIVE)
-    monkeypatch.setattr(cpu_linear, "chosen", lambda *a: cpu_linear.NATIVE)
+    # same native variant (with or without AMX tiles) for their bits to be comparable
+    monkeypatch.setattr(cpu_linear, "implementation", lambda x, w: impl)
+    monkeypatch.setattr(cpu_linear, "chosen", lambda *a: impl)
     by_kernel, one, _ = both_ways(make_llm(tiny, "dense", "bfloat16"), PROMPTS, monkeypatch)
     assert_same(by_kernel, one)
+
+
+def test_one_region_runs_the_chosen_bfloat16_path(tiny, monkeypatch):  # noqa: F811
+    """With AMX tiles chosen or not, the step's sums differ in order: the one region follows
+    the choice, step by step, rather than keeping the first one it saw."""
+    llm = make_llm(tiny, "dense", "bfloat16")
+    weight = llm.engine.model.layers[0].gate_up.weight
+    if not cpu_linear.amx_applies(weight):
+        pytest.skip("no AMX tiles here for this model's weights")
+    monkeypatch.setenv(fused_one_region.ENV, "on")
+    ids, positions, meta, pool = capture_decode_step(llm, PROMPTS)
+    before = [t.clone() for t in pool_tensors(pool)]
+    got = {}
+    for impl in (cpu_linear.NATIVE, cpu_linear.VEC, cpu_linear.NATIVE):
+        for t, b in zip(pool_tensors(pool), before, strict=True):
+            t.copy_(b)
+        monkeypatch.setattr(cpu_linear, "chosen", lambda *a, impl=impl: impl)
+        h = fused_decode.run_layers(llm.engine.model, ids, positions, meta, pool).clone()
+        assert torch.equal(got.setdefault(impl, h), h)
+    assert not torch.equal(got[cpu_linear.NATIVE], got[cpu_linear.VEC])
 
 
 def test_one_region_keeps_a_choice_of_torch(tiny, monkeypatch):  # noqa: F811

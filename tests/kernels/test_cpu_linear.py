@@ -122,3 +122,21 @@ def test_bfloat16_rows_on_amx_tiles_round_alike_in_any_batch():
     alone = torch.cat([cpu_linear.native_linear(x[i:i + 1], w) for i in range(len(x))])
     for m in (2, 16, 17, 70):
         assert torch.equal(cpu_linear.native_linear(x[:m], w), alone[:m])
+
+
+@pytest.mark.skipif(not native.available() or not amx_ready(),
+                    reason="no AMX tiles on this CPU (or not granted)")
+@pytest.mark.parametrize("rows", [1, 7, 40])
+def test_bfloat16_without_the_tiles_is_a_measured_candidate(rows):
+    """Where the tiles would run, the kernel without them (AVX-512 BF16 dot products, else
+    widened) is measured beside them, on torch's threads and serial, with the same bits as
+    each other and float64's result to one bfloat16 step."""
+    x, w, _ = case(rows, 96, 576, torch.bfloat16, False, seed=5)
+    names = cpu_linear.candidates(x, w)
+    assert {cpu_linear.NATIVE, cpu_linear.VEC} <= set(names)
+    vec = cpu_linear.native_linear(x, w, None, True, cpu_linear.PATHS[cpu_linear.VEC])
+    assert torch.equal(vec, cpu_linear.native_linear(x, w, None, False, cpu_linear.DOT))
+    assert torch.equal(vec[:1], cpu_linear.native_linear(x[:1], w, None, True, cpu_linear.DOT))
+    exact = x.double() @ w.double().t()
+    torch.testing.assert_close(vec.double(), exact, rtol=2 ** -7, atol=2 ** -7)
+    assert cpu_linear.VEC not in cpu_linear.candidates(x.float(), w.float())
