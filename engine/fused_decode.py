@@ -46,7 +46,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from kvscope.engine import fused_one_region, fused_rows
+from kvscope.engine import fused_one_region, fused_rows, fused_step_choice
 from kvscope.engine.weight_formats import INT4_GROUP, DenseLinear, Int4Linear, Linear
 from kvscope.kernels import cpu_attention, cpu_int4, cpu_linear, native, ops
 from kvscope.kernels.anchors import Anchors
@@ -380,12 +380,39 @@ def run_layers(model: FusedModel, input_ids: torch.Tensor, positions: torch.Tens
     io_dtype, tables = model.fused_rows, model.fused_tables
     if io_dtype is None or tables is None:
         raise ValueError("this model's decode steps do not fuse (see matmul_plan)")
-    s, rows = model.shape, len(input_ids)
+    rows = len(input_ids)
     h = embed(model, input_ids)
     positions, slots = positions.contiguous(), meta.slot_mapping.contiguous()
     plan = pool_plan(pool)
     if fused_one_region.run(model, plan, h, positions, slots, meta, io_dtype):
         return h
+
+    def by_kernel() -> torch.Tensor:
+        return run_kernel_by_kernel(model, embed(model, input_ids), positions, slots, meta,
+                                    pool, plan)
+    if fused_one_region.enabled():
+        matmuls = fused_one_region.layer_table(model, plan).matmuls
+        instead = fused_one_region.paths_instead_of_torch(matmuls, rows, io_dtype)
+        if instead is not None:
+            def one() -> torch.Tensor:
+                out = embed(model, input_ids)
+                fused_one_region.run(model, plan, out, positions, slots, meta, io_dtype,
+                                     instead)
+                return out
+            if fused_step_choice.one_region_wins(matmuls, rows, io_dtype, one, by_kernel):
+                return one()
+    return run_kernel_by_kernel(model, h, positions, slots, meta, pool, plan)
+
+
+def run_kernel_by_kernel(model: FusedModel, h: torch.Tensor, positions: torch.Tensor,
+                         slots: torch.Tensor, meta: AttentionMetadata, pool: FusedPool,
+                         plan: PoolPlan) -> torch.Tensor:
+    """run_layers' step one kernel call at a time (each matmul on its chosen implementation,
+    torch's included): h, the embedding rows, becomes the residual stream."""
+    io_dtype, tables = model.fused_rows, model.fused_tables
+    if io_dtype is None or tables is None:
+        raise ValueError("this model's decode steps do not fuse (see matmul_plan)")
+    s, rows = model.shape, h.shape[0]
     step = Step(native.require_library(), model, tables, io_dtype, rows, h,
                 torch.empty(rows, s.hidden_size, dtype=io_dtype),
                 torch.empty(rows, s.num_heads, s.head_dim), positions, slots,

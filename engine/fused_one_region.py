@@ -174,12 +174,41 @@ def chosen_paths(matmuls: Sequence[Linear], rows: int, io_dtype: torch.dtype
             impl = cpu_int4.implementation(rows, n, k)
         elif isinstance(linear, DenseLinear) and linear.native:
             impl = cpu_linear.chosen(io_dtype, n, k, rows)
-            paths[(n, k)] = cpu_linear.PATHS.get(impl, 0)
+            paths[(n, k)] = cpu_linear.PATHS.get(impl or "", 0)
         else:
             return None
         if impl is None or impl == cpu_linear.TORCH:
             return None
     return paths
+
+
+def paths_instead_of_torch(matmuls: Sequence[Linear], rows: int, io_dtype: torch.dtype
+                           ) -> dict[tuple[int, int], int] | None:
+    """Where every matmul has its implementation chosen and some chose torch's: the paths the
+    one region would run each dense weight on with torch's choices replaced by the fastest
+    native variant measured beside them (a 4-bit weight: the native kernel). None where a
+    choice is missing or a weight has no native kernel here."""
+    paths: dict[tuple[int, int], int] = {}
+    replaced = False
+    for linear in matmuls:
+        n, k = linear.shape
+        if isinstance(linear, Int4Linear):
+            impl = cpu_int4.implementation(rows, n, k) if cpu_int4.supports(n, k) else None
+        elif isinstance(linear, DenseLinear) and linear.native:
+            impl = cpu_linear.chosen(io_dtype, n, k, rows)
+            if impl == cpu_linear.TORCH:
+                best = cpu_linear.best_native(io_dtype, n, k, rows)
+                if best is None:
+                    return None
+                paths[(n, k)] = cpu_linear.PATHS[best]
+            elif impl is not None:
+                paths[(n, k)] = cpu_linear.PATHS.get(impl, 0)
+        else:
+            return None
+        if impl is None:
+            return None
+        replaced = replaced or impl == cpu_linear.TORCH
+    return paths if replaced else None
 
 
 def set_paths(table: LayerTable, paths: dict[tuple[int, int], int]) -> None:
@@ -194,15 +223,18 @@ def set_paths(table: LayerTable, paths: dict[tuple[int, int], int]) -> None:
 
 
 def run(model: FusedModel, kv: PoolPlan, h: torch.Tensor, positions: torch.Tensor,
-        slots: torch.Tensor, meta: AttentionMetadata, io_dtype: torch.dtype) -> bool:
+        slots: torch.Tensor, meta: AttentionMetadata, io_dtype: torch.dtype,
+        paths: dict[tuple[int, int], int] | None = None) -> bool:
     """Every layer of the step in one native call: h (the embedding rows, float32) becomes
     the residual stream after the last layer. False (h untouched) when this step cannot go
-    this way (disabled, or a matmul not chosen native yet)."""
+    this way (disabled, or a matmul not chosen native yet). paths: run the dense weights on
+    these (paths_instead_of_torch) rather than on their chosen implementations'."""
     if not enabled():
         return False
     table = layer_table(model, kv)
     rows = h.shape[0]
-    paths = chosen_paths(table.matmuls, rows, io_dtype)
+    if paths is None:
+        paths = chosen_paths(table.matmuls, rows, io_dtype)
     if paths is None:
         return False
     set_paths(table, paths)

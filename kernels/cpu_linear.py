@@ -5,7 +5,10 @@ machine for this weight, dtype, row bucket and thread count (kernels.kernel_choi
 Why measured rather than fixed: the winner moves with the CPU. On a Xeon without bf16
 instructions the kernel won bfloat16 at every row count (torch converted bfloat16 on every
 call) and float32 up to 32 rows; on a CPU with AVX-512 BF16 torch's bfloat16 matmul uses
-bf16 dot products and wins from a few rows up. Rows are bucketed by powers of two up to
+bf16 dot products and won from a few rows up, until the kernel took bfloat16 weights on the
+same hardware (kernels/cpu_amx_gemm.c on AMX tiles, kernels/cpu_dpbf16_gemm.c on AVX-512 BF16
+dot products): then it won every bucket below 64 rows on the AMX Xeon, except one row, where
+the kernel without the tiles won (the VEC candidates). Rows are bucketed by powers of two up to
 TOP_BUCKET; above it both run at their compute peak and their times grow in step with the
 rows, so that bucket is measured on its first TOP_BUCKET rows.
 
@@ -15,9 +18,9 @@ the same bits whatever else is in the call, and each other's bits; torch's matmu
 with it). A decode row then rounds the same in a batch of 1 or 16, and a speculative
 verify's rows as the plain decodes of the same positions, so a near tie cannot flip a greedy
 token with the load (tests/kernels/test_cpu_linear.py). Where torch won those buckets it won
-by little on float32 (its AVX-512 FMA is what the kernel uses too); bfloat16, where torch's
-bf16 dot products win by several times from 16 rows, keeps torch as a candidate, and so do
-long prefill chunks, whose rows are many anyway.
+by little on float32 (its AVX-512 FMA is what the kernel uses too); bfloat16 keeps torch as
+a candidate (on a CPU with neither AMX nor AVX-512 BF16 the kernel widens bfloat16 to
+float32, and torch may win there), and so do long prefill chunks, whose rows are many anyway.
 """
 from __future__ import annotations
 
@@ -71,8 +74,24 @@ def implementation(x: torch.Tensor, weight: torch.Tensor) -> str:
     top = bucket(rows)
     info = {"op": "linear", "dtype": dtype, "shape": f"{n}x{k}",
             "rows": f"{top}+" if top == TOP_BUCKET else f"<={top}", "threads": threads}
-    name = f"linear {dtype} {n}x{k} rows{info['rows']} {kernel_choice.threads_name(threads)}"
-    return chooser.choose(name, candidates(x, weight), info, fast_key)
+    return chooser.choose(decision_name(weight.dtype, n, k, rows), candidates(x, weight), info,
+                          fast_key)
+
+
+def decision_name(dtype: torch.dtype, n: int, k: int, rows: int) -> str:
+    """The chooser's name for the decision a call of `rows` rows is made in."""
+    top = bucket(rows)
+    label = f"{top}+" if top == TOP_BUCKET else f"<={top}"
+    threads = kernel_choice.threads_name(torch.get_num_threads())
+    return f"linear {str(dtype).removeprefix('torch.')} {n}x{k} rows{label} {threads}"
+
+
+def best_native(dtype: torch.dtype, n: int, k: int, rows: int) -> str | None:
+    """The fastest native variant measured in this call's decision (whichever won it), or
+    None where the decision holds no native time."""
+    got = kernel_choice.default().decisions.get(decision_name(dtype, n, k, rows))
+    times = {name: t for name, t in (got.times_ms if got else {}).items() if name in PATHS}
+    return min(times, key=lambda name: times[name]) if times else None
 
 
 def chosen(dtype: torch.dtype, n: int, k: int, rows: int) -> str | None:

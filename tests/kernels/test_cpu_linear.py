@@ -140,3 +140,21 @@ def test_bfloat16_without_the_tiles_is_a_measured_candidate(rows):
     exact = x.double() @ w.double().t()
     torch.testing.assert_close(vec.double(), exact, rtol=2 ** -7, atol=2 ** -7)
     assert cpu_linear.VEC not in cpu_linear.candidates(x.float(), w.float())
+
+
+def test_best_native_reads_the_decisions_times(tmp_path, monkeypatch):
+    """What a one-region step runs in place of a torch choice: the fastest native variant
+    timed in that same decision; None where none was timed."""
+    from kvscope.kernels import kernel_cache, kernel_choice
+
+    monkeypatch.setenv(kernel_cache.ENV, str(tmp_path))
+    kernel_choice.reset()
+    try:
+        name = cpu_linear.decision_name(torch.bfloat16, 96, 64, 40)
+        assert name == cpu_linear.decision_name(torch.bfloat16, 96, 64, 33)  # one bucket
+        assert cpu_linear.best_native(torch.bfloat16, 96, 64, 40) is None
+        kernel_choice.default().decisions[name] = kernel_choice.Decision(
+            name, "torch", {"native": 2.0, "native-vec-serial": 1.5, "torch": 0.5})
+        assert cpu_linear.best_native(torch.bfloat16, 96, 64, 40) == "native-vec-serial"
+    finally:
+        kernel_choice.reset()

@@ -1,0 +1,119 @@
+"""engine/fused_step_choice.py: a step whose matmul choices include torch's runs as one region
+(native kernels in torch's place) or kernel by kernel, as measured for the whole step, with a
+scripted chooser standing in for the timings."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvscope.engine import fused_decode, fused_one_region, fused_step_choice
+from kvscope.kernels import cpu_linear, native
+from tests.engine.test_fused_decode import capture_decode_step
+from tests.engine.test_fused_one_region import PROMPTS, make_llm, pool_tensors
+from tests.engine.test_weight_formats import tiny  # noqa: F401  (a 4-bit tiny model fixture)
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no native CPU kernels here")
+
+
+class ScriptedChooser:
+    """Runs every candidate once on the step's inputs (as a measurement would) and answers
+    `winner`; remembers its answer under the fast key as the real chooser does."""
+
+    def __init__(self, winner: str) -> None:
+        self.winner, self.asked, self.ran, self.decided = winner, [], [], {}
+
+    def fast(self, key):
+        return self.decided.get(key)
+
+    def choose(self, name, candidates, info=None, fast_key=None):
+        self.asked.append((name, info))
+        for label, run in candidates.items():
+            self.ran.append(label)
+            run()
+        self.decided[fast_key] = self.winner
+        return self.winner
+
+
+@pytest.fixture
+def step(tiny, monkeypatch):  # noqa: F811
+    """A captured float32 dense decode step, a way to run it from the same pool state, and
+    the gate_up shape that torch is made to win."""
+    llm = make_llm(tiny, "dense")
+    model = llm.engine.model
+    ids, positions, meta, pool = capture_decode_step(llm, PROMPTS)
+    before = [t.clone() for t in pool_tensors(pool)]
+    torch_shape = tuple(model.layers[0].gate_up.shape)
+
+    def run():
+        for t, b in zip(pool_tensors(pool), before, strict=True):
+            t.copy_(b)
+        h = fused_decode.run_layers(model, ids, positions, meta, pool).clone()
+        return h, [t.clone() for t in pool_tensors(pool)]
+    return run, torch_shape
+
+
+def choose(monkeypatch, torch_shape):
+    """torch chosen for the gate_up weight, the native kernel for the rest."""
+    def pick(n, k):
+        return cpu_linear.TORCH if (n, k) == torch_shape else cpu_linear.NATIVE
+    monkeypatch.setattr(cpu_linear, "chosen", lambda dtype, n, k, rows: pick(n, k))
+    monkeypatch.setattr(cpu_linear, "implementation", lambda x, w: pick(*w.shape))
+    monkeypatch.setattr(cpu_linear, "best_native", lambda *a: cpu_linear.NATIVE)
+
+
+def same(a, b) -> bool:
+    return torch.equal(a[0], b[0]) and all(
+        torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a[1], b[1]))
+
+
+def references(step, monkeypatch, torch_shape):
+    """(one region, every matmul native; kernel by kernel, torch for gate_up)."""
+    monkeypatch.setattr(cpu_linear, "chosen", lambda *a: cpu_linear.NATIVE)
+    monkeypatch.setenv(fused_one_region.ENV, "on")
+    native_one = step()
+    choose(monkeypatch, torch_shape)
+    monkeypatch.setenv(fused_one_region.ENV, "off")
+    torch_kbk = step()
+    monkeypatch.setenv(fused_one_region.ENV, "on")
+    assert not same(native_one, torch_kbk)  # the two ways are told apart by their bits
+    return native_one, torch_kbk
+
+
+@pytest.mark.parametrize("winner", [fused_step_choice.ONE_REGION, fused_step_choice.BY_KERNEL])
+def test_the_measured_way_runs_and_is_kept(step, winner, monkeypatch):
+    run, torch_shape = step
+    native_one, torch_kbk = references(run, monkeypatch, torch_shape)
+    chooser = ScriptedChooser(winner)
+    monkeypatch.setattr(fused_step_choice.kernel_choice, "default", lambda: chooser)
+    got = run()
+    assert sorted(chooser.ran) == sorted([fused_step_choice.ONE_REGION,
+                                          fused_step_choice.BY_KERNEL])
+    (name, info), = chooser.asked
+    assert name.startswith("step float32 ") and info["op"] == "step"
+    assert same(got, native_one if winner == fused_step_choice.ONE_REGION else torch_kbk)
+    again = run()  # decided once: the next step of the bucket just runs it
+    assert len(chooser.asked) == 1 and same(again, got)
+
+
+def test_no_step_choice_without_a_torch_choice(step, monkeypatch):
+    run, _ = step
+    monkeypatch.setattr(cpu_linear, "chosen", lambda *a: cpu_linear.NATIVE)
+    chooser = ScriptedChooser(fused_step_choice.BY_KERNEL)
+    monkeypatch.setattr(fused_step_choice.kernel_choice, "default", lambda: chooser)
+    run()
+    assert chooser.asked == []
+
+
+def test_paths_instead_of_torch_needs_every_choice_made(tiny, monkeypatch):  # noqa: F811
+    model = make_llm(tiny, "dense").engine.model
+    matmuls = [model.layers[0].qkv, model.layers[0].gate_up]
+    torch_shape = tuple(matmuls[1].shape)
+    monkeypatch.setattr(cpu_linear, "best_native", lambda *a: cpu_linear.VEC_SERIAL)
+    monkeypatch.setattr(cpu_linear, "chosen", lambda d, n, k, r: None if (n, k) == torch_shape
+                        else cpu_linear.NATIVE)
+    assert fused_one_region.paths_instead_of_torch(matmuls, 4, torch.float32) is None
+    monkeypatch.setattr(cpu_linear, "chosen", lambda d, n, k, r: cpu_linear.TORCH
+                        if (n, k) == torch_shape else cpu_linear.NATIVE)
+    got = fused_one_region.paths_instead_of_torch(matmuls, 4, torch.float32)
+    assert got == {tuple(matmuls[0].shape): cpu_linear.PATHS[cpu_linear.NATIVE],
+                   torch_shape: cpu_linear.PATHS[cpu_linear.VEC_SERIAL]}
