@@ -62,8 +62,9 @@ def choose(monkeypatch, torch_shape):
 
 
 def same(a, b) -> bool:
+    pairs = zip(a[1], b[1], strict=True)
     return torch.equal(a[0], b[0]) and all(
-        torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a[1], b[1]))
+        torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in pairs)
 
 
 def references(step, monkeypatch, torch_shape):
