@@ -25,6 +25,7 @@ import torch
 # Smaller tensors (scales of tiny pools) come from torch's allocator: a mapping per tensor
 # rounds each up to a page, and malloc keeps small blocks nowhere that matters.
 MIN_MAPPED_BYTES = 1 << 20
+HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
 _MAP_FLAGS = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
 
 
@@ -34,12 +35,31 @@ def zeros(size: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tenso
     nbytes = math.prod(size) * torch.empty(0, dtype=dtype).element_size()
     if torch.device(device).type != "cpu" or nbytes < MIN_MAPPED_BYTES or not _MAP_FLAGS:
         return torch.zeros(size, dtype=dtype, device=device)
-    buf = mmap.mmap(-1, nbytes, flags=_MAP_FLAGS)  # anonymous pages read as zeros
-    tensor = torch.frombuffer(buf, dtype=dtype, count=math.prod(size)).view(size)
+    # Mapped one huge page longer than asked, to start the tensor at a huge page's edge, and
+    # asked for huge pages: a decode step reads the pool's blocks in table order, anywhere in
+    # it, and with 4 KiB pages every block is a TLB miss (float32 attention at 6000 tokens of
+    # context, 30 layers from memory: 16.1 -> 15.1-15.6 ms). The spare head is never touched,
+    # so it costs address space, not memory.
+    spare = HUGE_PAGE if nbytes >= HUGE_PAGE else 0
+    buf = mmap.mmap(-1, nbytes + spare, flags=_MAP_FLAGS)  # anonymous pages read as zeros
+    offset = -_address(buf) % HUGE_PAGE if spare else 0
+    if spare and hasattr(buf, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE, offset, nbytes)
+    tensor = torch.frombuffer(buf, dtype=dtype, count=math.prod(size),
+                              offset=offset).view(size)
     # Touch every page now, as torch.zeros would: a pool that does not fit fails here, at
     # the reconfigure, not later at a page fault mid-step, and the resident set is the pool.
     tensor.zero_()
     return tensor
+
+
+def _address(buf: mmap.mmap) -> int:
+    """Where a mapping starts."""
+    view = (ctypes.c_char * len(buf)).from_buffer(buf)
+    try:
+        return ctypes.addressof(view)
+    finally:
+        del view  # an export left alive would keep the mapping from closing
 
 
 def release_freed(device: str) -> None:
