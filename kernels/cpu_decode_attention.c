@@ -255,13 +255,12 @@ static inline __attribute__((always_inline)) int64_t row64_bytes(int kind) {
 /* Asks for head h's rows of the span's next block while this one is read: a sequence's
  * blocks lie anywhere in the pool, so the hardware prefetcher, which follows a stride within
  * a page, stops at every block edge. */
-static inline __attribute__((always_inline)) void prefetch_next_block(
-        const void *cache, const int64_t *table, int64_t b, int64_t start, int64_t c1,
-        int64_t h, int64_t num_kv_heads, int64_t block_size, int kind) {
-    if (start + block_size >= c1) return;
+static inline __attribute__((always_inline)) void prefetch_block(
+        const void *cache, const int64_t *table, int64_t b, int64_t h, int64_t num_kv_heads,
+        int64_t block_size, int kind) {
     const int64_t bytes = row64_bytes(kind);
     const char *base = (const char *)cache
-                     + (table[b + 1] * block_size * num_kv_heads + h) * bytes;
+                     + (table[b] * block_size * num_kv_heads + h) * bytes;
     for (int64_t j = 0; j < block_size; j++)
         for (int64_t o = 0; o < bytes; o += 64)
             __builtin_prefetch(base + j * num_kv_heads * bytes + o, 0, 3);
@@ -290,7 +289,12 @@ static inline __attribute__((always_inline)) void span_head64(
         int64_t j0 = start < c0 ? c0 - start : 0;
         int64_t n = c1 - start < block_size ? c1 - start : block_size;
         int64_t at = table[b] * block_size * num_kv_heads + h + j0 * num_kv_heads;
-        prefetch_next_block(k_cache, table, b, start, c1, h, num_kv_heads, block_size, kind);
+        if (start + block_size < c1)
+            prefetch_block(k_cache, table, b + 1, h, num_kv_heads, block_size, kind);
+        /* this block's V rows too, which the weighted sum reads once the span's scores are
+         * in: the K pass computes little per byte, so its loads alone left the memory
+         * underused, and the V pass then waited on every block */
+        prefetch_block(v_cache, table, b, h, num_kv_heads, block_size, kind);
         for (int64_t j = j0; j < n; j++, at += num_kv_heads) {
             sc[c] = load_raw64(r, k_cache, k_scale, ak, start + j, at, na, num_kv_heads, kind)
                     * sm_scale;
@@ -317,7 +321,6 @@ static inline __attribute__((always_inline)) void span_head64(
         int64_t j0 = start < c0 ? c0 - start : 0;
         int64_t n = c1 - start < block_size ? c1 - start : block_size;
         int64_t at = table[b] * block_size * num_kv_heads + h + j0 * num_kv_heads;
-        prefetch_next_block(v_cache, table, b, start, c1, h, num_kv_heads, block_size, kind);
         for (int64_t j = j0; j < n; j++, at += num_kv_heads) {
             float s = load_raw64(r, v_cache, v_scale, av, start + j, at, na, num_kv_heads, kind);
             for (int64_t g = 0; g < group; g++) {
