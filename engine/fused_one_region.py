@@ -23,13 +23,13 @@ from typing import Any
 
 import torch
 
+from kvscope.engine.fused_model import FusedModel
 from kvscope.engine.weight_formats import DenseLinear, Int4Linear, Linear
 from kvscope.kernels import cpu_attention, cpu_int4, cpu_linear, native
 from kvscope.kernels.attention_ref import AttentionMetadata
 
-# engine.fused_decode's FusedModel and PoolPlan: it imports this module, so importing them
-# here, even for type checking only, would close an import cycle.
-FusedModel = Any
+# engine.fused_decode's PoolPlan: it imports this module, so importing it here, even for type
+# checking only, would close an import cycle.
 PoolPlan = Any
 
 ENV = "KVSCOPE_ONE_REGION"
@@ -249,7 +249,9 @@ def run(model: FusedModel, kv: PoolPlan, h: torch.Tensor, positions: torch.Tenso
                "gate_up": torch.empty(rows, 2 * table.inter, dtype=io_dtype),
                "act": torch.empty(rows, table.inter, dtype=io_dtype),
                "q": q, "o": torch.empty_like(q), "xf": torch.empty(rows, table.widest_in)}
-    tables = model.fused_tables  # not None: layer_table checked it
+    tables = model.fused_tables
+    if tables is None:  # layer_table refused such a model already
+        raise ValueError("this model's decode steps do not fuse (see matmul_plan)")
     family = getattr(model, "family", None)
     plan = StepPlan(
         layers=len(model.layers), rows=rows, hidden=s.hidden_size, inter=table.inter,

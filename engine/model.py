@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 
-from kvscope.engine import fused_decode
+from kvscope.engine import fused_decode, fused_model
 from kvscope.engine.lm_head import RescoredHead
 from kvscope.engine.model_family import SUPPORTED_FAMILIES, FamilySpec, family_spec
 from kvscope.engine.model_rope import rope_tables, signed_sin
@@ -46,7 +46,7 @@ RopeRows = tuple[torch.Tensor, torch.Tensor]
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-class PagedPool(fused_decode.FusedPool, Protocol):
+class PagedPool(fused_model.FusedPool, Protocol):
     """The KV pool as the forward reads it (engine.kv_cache.KVPool, whose module imports this
     one)."""
 
@@ -169,12 +169,12 @@ class PagedLlama:
         self.layers = loaded.layers
         # Decode steps on the CPU (float32 int4, float32 or bfloat16 dense) fuse the glue
         # between matmuls, for the families the fused step covers.
-        self.fused_reason = fused_decode.unsupported_reason(self)
+        self.fused_reason = fused_model.unsupported_reason(self)
         # Off the fused step for its weights too (a bias, int8, float16): said, never silent.
         self.fused_rows, self.matmul_reason = (None, None) if self.fused_reason else \
-            fused_decode.matmul_plan(self)
+            fused_model.matmul_plan(self)
         self.fused_decode = self.fused_rows is not None
-        self.fused_tables = fused_decode.float32_tables(self) if self.fused_decode else None
+        self.fused_tables = fused_model.float32_tables(self) if self.fused_decode else None
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the model keeps (weights in their stored form, norms, rope tables)."""
@@ -195,7 +195,7 @@ class PagedLlama:
                 pool: PagedPool) -> torch.Tensor:
         """Hidden states [T, hidden] of the flattened batch, after the final norm."""
         eps = self.shape.rms_norm_eps
-        if self.fused_decode and fused_decode.supports_step(meta, pool):
+        if self.fused_decode and fused_model.supports_step(meta, pool):
             h = fused_decode.run_layers(self, input_ids, positions, meta, pool)
             return rms_norm(h.to(self.dtype), self.final_norm, eps)
         h = self.embed_tokens(input_ids)

@@ -27,7 +27,7 @@ RATE_WINDOW_S = 5.0
 def engine_settings(engine) -> m.EngineSettings:
     """The config in force as the wire carries it, with the model's decode-path notice."""
     # Here, not at the top: this module stays torch-free to import (the engine has torch).
-    from kvscope.engine.fused_decode import decode_path_notice
+    from kvscope.engine.fused_model import decode_path_notice
 
     return msgspec.structs.replace(engine.config.settings(), decode_path_notice=(
         decode_path_notice(getattr(engine, "model", None))))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvscope.engine import LLM, EngineConfig, SamplingParams, fused_decode
+from kvscope.engine import LLM, EngineConfig, SamplingParams, fused_model
 from kvscope.kernels import native
 from tests.engine.test_weight_formats import tiny  # noqa: F401  (a 4-bit tiny model fixture)
 
@@ -47,7 +47,7 @@ def test_a_fused_step_computes_what_the_torch_step_does(tiny, kv_dtype, weights,
     model = llm.engine.model
     assert model.fused_decode
     ids, positions, meta, pool = capture_decode_step(llm, [[5, 9, 2, 7, 1], [3] * 11, [8, 4]])
-    assert fused_decode.supports_step(meta, pool)
+    assert fused_model.supports_step(meta, pool)
     slots = meta.slot_mapping
     model.fused_decode = False
     plain = model.forward(ids, positions, meta, pool)
@@ -97,15 +97,15 @@ def test_it_stands_aside_where_it_does_not_apply(tiny):  # noqa: F811
     assert not make_llm(tiny, weights="int8").engine.model.fused_decode
     # a float16 pool takes the torch path (int8 and fp8 fuse: tests/engine/test_fused_quantized.py)
     _, _, meta, pool = capture_decode_step(make_llm(tiny, "float16"), [[1, 2, 3]])
-    assert not fused_decode.supports_step(meta, pool)
+    assert not fused_model.supports_step(meta, pool)
     llm = make_llm(tiny)
     engine = llm.engine
     engine.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=2))
     _, _, meta, _ = engine.runner.prepare(engine.scheduler.schedule())
-    assert meta.prefill_seqs and fused_decode.supports_step(meta, engine.pool)  # 5 rows
+    assert meta.prefill_seqs and fused_model.supports_step(meta, engine.pool)  # 5 rows
     engine.add_request(list(range(1, 100)), SamplingParams(max_tokens=2))
     _, _, meta, _ = engine.runner.prepare(engine.scheduler.schedule())
-    assert meta.prefill_seqs and not fused_decode.supports_step(meta, engine.pool)  # 99
+    assert meta.prefill_seqs and not fused_model.supports_step(meta, engine.pool)  # 99
 
 
 def test_kernels_ref_means_no_native_glue(tiny, monkeypatch):  # noqa: F811

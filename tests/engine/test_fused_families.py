@@ -10,7 +10,14 @@ import dataclasses
 import pytest
 import torch
 
-from kvscope.engine import LLM, EngineConfig, SamplingParams, fused_decode, fused_one_region
+from kvscope.engine import (
+    LLM,
+    EngineConfig,
+    SamplingParams,
+    fused_decode,
+    fused_model,
+    fused_one_region,
+)
 from kvscope.engine.server import snapshots
 from kvscope.kernels import native
 from kvscope.testing.hf_reference import hf_greedy
@@ -90,11 +97,11 @@ def test_a_fused_step_computes_what_the_ordinary_forward_does(checkpoints, arch,
                                                               dtype):
     llm = make_llm(checkpoints(arch), weights, dtype)
     model = llm.engine.model
-    assert fused_decode.unsupported_reason(model) is None
+    assert fused_model.unsupported_reason(model) is None
     assert model.fused_decode
     step = decode_step(llm)
     ids, positions, meta, pool = step
-    assert fused_decode.supports_step(meta, pool)
+    assert fused_model.supports_step(meta, pool)
     slots = meta.slot_mapping
     plain = forward(model, False, step)
     kv_plain = [(k.view(-1, *k.shape[2:])[slots].clone(), v.view(-1, *v.shape[2:])[slots].clone())
@@ -222,18 +229,18 @@ def test_a_family_it_does_not_cover_is_named_once(checkpoints, monkeypatch, capl
     line, and the notice the window shows is that line."""
     llm = make_llm(checkpoints("qwen3"))
     model = llm.engine.model
-    monkeypatch.setattr(fused_decode, "COVERED_FAMILIES", ("llama",))
-    monkeypatch.setattr(fused_decode, "_told", set())
+    monkeypatch.setattr(fused_model, "COVERED_FAMILIES", ("llama",))
+    monkeypatch.setattr(fused_model, "_told", set())
     with caplog.at_level("WARNING", logger="kvscope.engine"):
-        reason = fused_decode.unsupported_reason(model)
-        assert fused_decode.unsupported_reason(model) == reason
+        reason = fused_model.unsupported_reason(model)
+        assert fused_model.unsupported_reason(model) == reason
     assert reason is not None and "qwen3" in reason
     assert [r.getMessage() for r in caplog.records if r.name == "kvscope.engine"] == [reason]
-    assert fused_decode.decode_path_notice(model) == reason
+    assert fused_model.decode_path_notice(model) == reason
     # What the window receives: the hello's (and every stats frame's) EngineSettings.
     assert snapshots.engine_settings(llm.engine).decode_path_notice == reason
     monkeypatch.undo()
-    assert fused_decode.decode_path_notice(model) == ""
+    assert fused_model.decode_path_notice(model) == ""
     assert snapshots.engine_settings(llm.engine).decode_path_notice == ""
 
 
@@ -246,8 +253,8 @@ def test_the_window_and_softcap_need_the_native_attention_to_take_them(checkpoin
                       anchors=None):
         raise AssertionError("not called")
     monkeypatch.setattr(fused_decode.cpu_attention, "paged_attention_cpu", old_attention)
-    monkeypatch.setattr(fused_decode, "_told", set())
-    reason = fused_decode.unsupported_reason(model)
+    monkeypatch.setattr(fused_model, "_told", set())
+    reason = fused_model.unsupported_reason(model)
     assert reason is not None and "sliding window" in reason
     mistral = make_llm(checkpoints("mistral"))  # built while the attention lacks `window`
     assert not mistral.engine.model.fused_decode
@@ -260,7 +267,7 @@ def test_weights_the_fused_step_cannot_take_are_said_not_silent(checkpoints, mon
                                                                  caplog, arch, weights, said):
     """qwen2's q/k/v bias and int8 weights keep the decode on the ordinary forward: one log
     line says so, and so does the window's notice; a model that fuses has none."""
-    monkeypatch.setattr(fused_decode, "_told", set())
+    monkeypatch.setattr(fused_model, "_told", set())
     with caplog.at_level("WARNING", logger="kvscope.engine"):
         llm = make_llm(checkpoints(arch), weights=weights)
     model = llm.engine.model

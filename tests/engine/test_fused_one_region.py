@@ -8,7 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvscope.engine import LLM, EngineConfig, SamplingParams, fused_decode, fused_one_region
+from kvscope.engine import (
+    LLM,
+    EngineConfig,
+    SamplingParams,
+    fused_decode,
+    fused_model,
+    fused_one_region,
+)
 from kvscope.kernels import cpu_linear, native
 from kvscope.testing.tiny_models import save_tiny_model
 from tests.engine.test_fused_decode import capture_decode_step
@@ -38,7 +45,7 @@ def both_ways(llm, prompts, monkeypatch):
     pool's tensors after the step, from the same pool state."""
     model = llm.engine.model
     ids, positions, meta, pool = capture_decode_step(llm, prompts)
-    assert fused_decode.supports_step(meta, pool)
+    assert fused_model.supports_step(meta, pool)
     before = [t.clone() for t in pool_tensors(pool)]
     taken = []
     run = fused_one_region.run

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvscope.engine import LLM, EngineConfig, SamplingParams, fused_decode
+from kvscope.engine import LLM, EngineConfig, SamplingParams, fused_decode, fused_model
 from kvscope.kernels import native
 from tests.engine.test_fused_decode import capture_decode_step
 from tests.engine.test_weight_formats import tiny  # noqa: F401  (a 4-bit tiny model fixture)
@@ -43,7 +43,7 @@ def test_a_fused_step_on_a_1_byte_pool_computes_what_the_torch_step_does(
     llm = make_llm(tiny, kv_dtype, rotation, anchors, weights)
     model = llm.engine.model
     ids, positions, meta, pool = capture_decode_step(llm, PROMPTS)
-    assert fused_decode.supports_step(meta, pool)
+    assert fused_model.supports_step(meta, pool)
     assert (pool.k_balance is not None) == (rotation == "auto")
     assert (pool.anchors is not None) == (anchors > 0)
     assert (meta.anchor_index is not None and bool((meta.anchor_index >= 0).any())) \
@@ -107,6 +107,6 @@ def test_greedy_tokens_equal_with_and_without_fusion(tiny, kv_dtype):  # noqa: F
 def test_a_float16_pool_stands_aside_and_says_why(tiny):  # noqa: F811
     llm = make_llm(tiny, "float16")
     _, _, meta, pool = capture_decode_step(llm, [[1, 2, 3]])
-    assert not fused_decode.supports_step(meta, pool)
-    reason = fused_decode.pool_reason(pool)
+    assert not fused_model.supports_step(meta, pool)
+    reason = fused_model.pool_reason(pool)
     assert reason is not None and "float16" in reason

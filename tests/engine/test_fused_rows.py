@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvscope.engine import LLM, EngineConfig, SamplingParams, fused_decode, fused_rows
+from kvscope.engine import LLM, EngineConfig, SamplingParams, fused_model, fused_rows
 from kvscope.kernels import native
 from kvscope.kernels.attention_ref import AttentionMetadata
 from kvscope.testing.tiny_models import save_tiny_model
@@ -78,7 +78,7 @@ def test_a_mixed_step_fuses_and_computes_what_the_ordinary_forward_does(checkpoi
     model = llm.engine.model
     step = mixed_step(llm)
     _, _, meta, pool = step
-    assert fused_decode.supports_step(meta, pool)
+    assert fused_model.supports_step(meta, pool)
     slots = meta.slot_mapping
     model.fused_decode = False
     plain = model.forward(*step)
