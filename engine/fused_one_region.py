@@ -163,7 +163,7 @@ def _matmul(linear: Linear, keep: list[torch.Tensor]) -> StepMatmul:
 def chosen_paths(matmuls: Sequence[Linear], rows: int, io_dtype: torch.dtype
                  ) -> dict[tuple[int, int], int] | None:
     """Per dense weight shape, the bfloat16 hardware paths its chosen native implementation
-    takes (cpu_linear.PATHS); None unless every matmul has an implementation chosen for this
+    takes (cpu_linear.paths); None unless every matmul has an implementation chosen for this
     row count and none is torch's (the one-region step calls the native kernels only)."""
     paths: dict[tuple[int, int], int] = {}
     for linear in matmuls:
@@ -174,7 +174,7 @@ def chosen_paths(matmuls: Sequence[Linear], rows: int, io_dtype: torch.dtype
             impl = cpu_int4.implementation(rows, n, k)
         elif isinstance(linear, DenseLinear) and linear.native:
             impl = cpu_linear.chosen(io_dtype, n, k, rows)
-            paths[(n, k)] = cpu_linear.PATHS.get(impl or "", 0)
+            paths[(n, k)] = cpu_linear.paths(impl or "", n, k)
         else:
             return None
         if impl is None or impl == cpu_linear.TORCH:
@@ -200,9 +200,9 @@ def paths_instead_of_torch(matmuls: Sequence[Linear], rows: int, io_dtype: torch
                 best = cpu_linear.best_native(io_dtype, n, k, rows)
                 if best is None:
                     return None
-                paths[(n, k)] = cpu_linear.PATHS[best]
+                paths[(n, k)] = cpu_linear.paths(best, n, k)
             elif impl is not None:
-                paths[(n, k)] = cpu_linear.PATHS.get(impl, 0)
+                paths[(n, k)] = cpu_linear.paths(impl, n, k)
         else:
             return None
         if impl is None:

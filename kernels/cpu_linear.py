@@ -8,9 +8,9 @@ call) and float32 up to 32 rows; on a CPU with AVX-512 BF16 torch's bfloat16 mat
 bf16 dot products and won from a few rows up, until the kernel took bfloat16 weights on the
 same hardware (kernels/cpu_amx_gemm.c on AMX tiles, kernels/cpu_dpbf16_gemm.c on AVX-512 BF16
 dot products): then it won every bucket below 64 rows on the AMX Xeon, except one row, where
-the kernel without the tiles won (the VEC candidates). Rows are bucketed by powers of two up to
-TOP_BUCKET; above it both run at their compute peak and their times grow in step with the
-rows, so that bucket is measured on its first TOP_BUCKET rows.
+the kernel a path down, without the tiles, won (the VEC candidates). Rows are bucketed by
+powers of two up to TOP_BUCKET; above it both run at their compute peak and their times grow
+in step with the rows, so that bucket is measured on its first TOP_BUCKET rows.
 
 float32 below TOP_BUCKET chooses between the two native variants only. They give every row
 the same bits whatever else is in the call, and each other's bits; torch's matmul does not
@@ -34,13 +34,15 @@ from kvscope.kernels import kernel_choice, native
 
 KINDS = {torch.float32: 0, torch.bfloat16: 1}
 NATIVE, SERIAL, TORCH = "native", "native-serial", "torch"
-# bfloat16 on a CPU with AMX tiles: the kernel without them (AVX-512 BF16 dot products where
-# there, else widened), on torch's threads or the calling one. The tiles win from a few rows
-# up; one row is memory-bound, and there the tiles' 16-row reads lost (0.139 against 0.093 ms
-# for 3072x576 on the AMX Xeon of 2026-12-06), so which runs is measured like the rest.
+# bfloat16: the kernel one hardware path below the best the CPU has for the weight (below AMX
+# tiles the AVX-512 BF16 dot products, below those float32 widening), on torch's threads or
+# the calling one. The tiles win from a few rows up, but one row is memory-bound, and there
+# their 16-row reads lost (0.139 against 0.093 ms for 3072x576 on the AMX Xeon of
+# 2026-12-06); the dot products against widening was never measured on a CPU without AMX.
+# So which runs is measured like the rest.
 VEC, VEC_SERIAL = "native-vec", "native-vec-serial"
 AMX, DOT = 1, 2  # kernels/cpu_team.h KVSCOPE_BF16_*: the hardware paths a call may take
-PATHS = {NATIVE: AMX | DOT, SERIAL: AMX | DOT, VEC: DOT, VEC_SERIAL: DOT}
+NATIVES = (NATIVE, SERIAL, VEC, VEC_SERIAL)
 PARALLEL = (NATIVE, VEC)
 TOP_BUCKET = 256
 
@@ -90,7 +92,7 @@ def best_native(dtype: torch.dtype, n: int, k: int, rows: int) -> str | None:
     """The fastest native variant measured in this call's decision (whichever won it), or
     None where the decision holds no native time."""
     got = kernel_choice.default().decisions.get(decision_name(dtype, n, k, rows))
-    times = {name: t for name, t in (got.times_ms if got else {}).items() if name in PATHS}
+    times = {name: t for name, t in (got.times_ms if got else {}).items() if name in NATIVES}
     return min(times, key=lambda name: times[name]) if times else None
 
 
@@ -112,16 +114,17 @@ def row_invariant_only(dtype: torch.dtype, rows: int) -> bool:
 def candidates(x: torch.Tensor, weight: torch.Tensor) -> dict[str, Callable[[], object]]:
     """The implementations compared, each on x's first TOP_BUCKET rows (the serial kernel
     only where there is more than one thread to compare with; torch's matmul not for
-    float32 below TOP_BUCKET rows, row_invariant_only; the kernel without AMX tiles where
-    they would run)."""
+    float32 below TOP_BUCKET rows, row_invariant_only; the kernel a hardware path down where
+    a bfloat16 weight has one, has_vec)."""
     rows = x.reshape(-1, weight.shape[1])[:TOP_BUCKET].contiguous()
     serial = torch.get_num_threads() > 1
     names = [NATIVE, SERIAL] if serial else [NATIVE]
-    if amx_applies(weight):
+    if has_vec(weight):
         names += [VEC, VEC_SERIAL] if serial else [VEC]
+    n, k = weight.shape
     got: dict[str, Callable[[], object]] = {
         name: functools.partial(native_linear, rows, weight, None, name in PARALLEL,
-                                PATHS[name]) for name in names}
+                                paths(name, n, k)) for name in names}
     if not row_invariant_only(weight.dtype, len(rows)):
         got[TORCH] = lambda: F.linear(rows, weight)
     return got
@@ -131,8 +134,26 @@ def amx_applies(weight: torch.Tensor) -> bool:
     """Whether the kernel would take this bfloat16 weight on AMX tiles (built with them,
     granted by the OS, N % 16 == 0 and K % 32 == 0)."""
     n, k = weight.shape
-    return (weight.dtype == torch.bfloat16 and n % 16 == 0 and k % 32 == 0
-            and bool(native.require_library().kvscope_amx_ready()))
+    return weight.dtype == torch.bfloat16 and bool(native.require_library().kvscope_amx_fits(n, k))
+
+
+def has_vec(weight: torch.Tensor) -> bool:
+    """Whether a bfloat16 weight has a hardware path above plain widening here (AMX tiles or
+    AVX-512 BF16 dot products), so the VEC candidates differ from the native ones."""
+    if weight.dtype != torch.bfloat16:
+        return False
+    n, k = weight.shape
+    lib = native.require_library()
+    return bool(lib.kvscope_amx_fits(n, k) or lib.kvscope_dpbf16_fits(k))
+
+
+def paths(impl: str, n: int, k: int) -> int:
+    """The hardware paths a native implementation lets an [n, k] bfloat16 weight take (the
+    kernel takes the best of them the CPU and shape allow): every one, or for VEC the ones
+    below the best (the dot products where the tiles apply, else widening)."""
+    if impl not in (VEC, VEC_SERIAL):
+        return AMX | DOT
+    return DOT if native.require_library().kvscope_amx_fits(n, k) else 0
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -143,7 +164,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     impl = implementation(x, weight)
     if impl == TORCH:
         return F.linear(x, weight, bias)
-    return native_linear(x, weight, bias_f32, impl in PARALLEL, PATHS[impl])
+    return native_linear(x, weight, bias_f32, parallel=impl in PARALLEL,
+                         paths=paths(impl, *weight.shape))
 
 
 def native_linear(x: torch.Tensor, weight: torch.Tensor,

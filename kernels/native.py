@@ -59,11 +59,14 @@ SIGNATURES = {
     "kvscope_rotate_rows": [P, I64, I64, P, P, INT],
     "kvscope_decode_step": [P, P],  # (step_plan, step_layer[]): engine/fused_one_region.py
     "kvscope_amx_ready": [],
+    "kvscope_amx_fits": [I64, I64],  # (N, K): the bfloat16 tiles apply
+    "kvscope_dpbf16_fits": [I64],  # (K): the AVX-512 BF16 dot products apply
 }
 
 
 RETURNS_STATUS = ("kvscope_paged_decode", "kvscope_gemm", "kvscope_int4_gemm",
-                  "kvscope_decode_step", "kvscope_amx_ready")
+                  "kvscope_decode_step", "kvscope_amx_ready",
+                  "kvscope_amx_fits", "kvscope_dpbf16_fits")
 
 
 def cache_dirs() -> list[Path]:

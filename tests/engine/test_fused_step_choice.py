@@ -116,5 +116,5 @@ def test_paths_instead_of_torch_needs_every_choice_made(tiny, monkeypatch):  # n
     monkeypatch.setattr(cpu_linear, "chosen", lambda d, n, k, r: cpu_linear.TORCH
                         if (n, k) == torch_shape else cpu_linear.NATIVE)
     got = fused_one_region.paths_instead_of_torch(matmuls, 4, torch.float32)
-    assert got == {tuple(matmuls[0].shape): cpu_linear.PATHS[cpu_linear.NATIVE],
-                   torch_shape: cpu_linear.PATHS[cpu_linear.VEC_SERIAL]}
+    assert got == {tuple(matmuls[0].shape): cpu_linear.paths(cpu_linear.NATIVE, 1, 1),
+                   torch_shape: cpu_linear.paths(cpu_linear.VEC_SERIAL, *torch_shape)}

@@ -134,7 +134,7 @@ def test_bfloat16_without_the_tiles_is_a_measured_candidate(rows):
     x, w, _ = case(rows, 96, 576, torch.bfloat16, False, seed=5)
     names = cpu_linear.candidates(x, w)
     assert {cpu_linear.NATIVE, cpu_linear.VEC} <= set(names)
-    vec = cpu_linear.native_linear(x, w, None, True, cpu_linear.PATHS[cpu_linear.VEC])
+    vec = cpu_linear.native_linear(x, w, None, True, cpu_linear.paths(cpu_linear.VEC, 96, 576))
     assert torch.equal(vec, cpu_linear.native_linear(x, w, None, False, cpu_linear.DOT))
     assert torch.equal(vec[:1], cpu_linear.native_linear(x[:1], w, None, True, cpu_linear.DOT))
     exact = x.double() @ w.double().t()
@@ -158,3 +158,22 @@ def test_best_native_reads_the_decisions_times(tmp_path, monkeypatch):
         assert cpu_linear.best_native(torch.bfloat16, 96, 64, 40) == "native-vec-serial"
     finally:
         kernel_choice.reset()
+
+
+def test_the_vec_candidates_are_one_hardware_path_down():
+    """Below AMX tiles the dot products, below the dot products float32 widening: what the VEC
+    candidates run depends on the best path this CPU has for the weight's shape."""
+    lib = native.require_library()
+    w_amx = torch.randn(96, 64).bfloat16()   # N % 16 == 0, K % 32 == 0
+    w_dot = torch.randn(24, 64).bfloat16()   # N % 16 != 0: no tiles, dot products if built
+    vec = cpu_linear.paths(cpu_linear.VEC, *w_amx.shape)
+    assert vec == (cpu_linear.DOT if lib.kvscope_amx_fits(96, 64) else 0)
+    assert cpu_linear.paths(cpu_linear.VEC_SERIAL, *w_dot.shape) == 0
+    assert cpu_linear.paths(cpu_linear.NATIVE, *w_dot.shape) == cpu_linear.AMX | cpu_linear.DOT
+    assert cpu_linear.has_vec(w_dot) == bool(lib.kvscope_dpbf16_fits(64))
+    assert not cpu_linear.has_vec(w_dot.float())
+    x = torch.randn(5, 64).bfloat16()
+    exact = x.double() @ w_dot.double().t()
+    for mask in (0, cpu_linear.DOT):  # widened and dot products: both to one bfloat16 step
+        got = cpu_linear.native_linear(x, w_dot, None, True, mask)
+        torch.testing.assert_close(got.double(), exact, rtol=2 ** -7, atol=2 ** -7)

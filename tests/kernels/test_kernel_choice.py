@@ -231,7 +231,9 @@ def fake_times(monkeypatch, chooser, **ms):
 
 @needs_native
 @pytest.mark.parametrize(("winner", "times", "dtype"), [
-    ("torch", {"native": 2.0, "native_serial": 3.0, "torch": 1.0}, torch.bfloat16),
+    # (bfloat16 may also time the kernel a hardware path down: cpu_linear.has_vec)
+    ("torch", {"native": 2.0, "native_serial": 3.0, "native_vec": 4.0,
+               "native_vec_serial": 5.0, "torch": 1.0}, torch.bfloat16),
     ("native", {"native": 1.0, "native_serial": 3.0, "torch": 2.0}, torch.float32),
     ("native-serial", {"native": 2.0, "native_serial": 1.0, "torch": 3.0}, torch.float32),
     # float32 at a few rows: torch is no candidate (cpu_linear.row_invariant_only)
@@ -247,8 +249,8 @@ def test_the_engines_linear_runs_the_chosen_implementation(cache_file, monkeypat
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)   # so the serial kernel competes
     ran = []
     real_native, real_torch = cpu_linear.native_linear, cpu_linear.F.linear
-    monkeypatch.setattr(cpu_linear, "native_linear", lambda *a, parallel=True: ran.append(
-        "native" if parallel else "native-serial") or real_native(*a, parallel=parallel))
+    monkeypatch.setattr(cpu_linear, "native_linear", lambda *a, parallel=True, **kw: ran.append(
+        "native" if parallel else "native-serial") or real_native(*a, parallel=parallel, **kw))
     monkeypatch.setattr(cpu_linear.F, "linear", lambda *a: ran.append("torch") or real_torch(*a))
     w = torch.randn(24, 32).to(dtype)
     layer = DenseLinear(w)
