@@ -59,7 +59,7 @@ def _name(lin: Any, rows: int) -> str:
     if not isinstance(lin, DenseLinear):
         return cpu_int4.decision_name(rows, lin.scale_zero.shape[1], lin.in_features)
     w, threads = lin.weight, torch.get_num_threads()
-    label = f"{rows}+" if rows == cpu_linear.TOP_BUCKET else f"<={rows}"
+    label = cpu_linear.bucket_label(rows)
     dtype = str(w.dtype).removeprefix("torch.")
     return (f"linear {dtype} {w.shape[0]}x{w.shape[1]} rows{label} "
             f"{kernel_choice.threads_name(threads)}")

@@ -165,7 +165,27 @@ def chosen_paths(matmuls: Sequence[Linear], rows: int, io_dtype: torch.dtype
     """Per dense weight shape, the bfloat16 hardware paths its chosen native implementation
     takes (cpu_linear.paths); None unless every matmul has an implementation chosen for this
     row count and none is torch's (the one-region step calls the native kernels only)."""
+    got = _native_paths(matmuls, rows, io_dtype, instead_of_torch=False)
+    return got[0] if got is not None else None
+
+
+def paths_instead_of_torch(matmuls: Sequence[Linear], rows: int, io_dtype: torch.dtype
+                           ) -> dict[tuple[int, int], int] | None:
+    """Where every matmul has its implementation chosen and some chose torch's: the paths the
+    one region would run each dense weight on with torch's choices replaced by the fastest
+    native variant measured beside them (a 4-bit weight: the native kernel). None where a
+    choice is missing, a weight has no native kernel here, or none chose torch."""
+    got = _native_paths(matmuls, rows, io_dtype, instead_of_torch=True)
+    return got[0] if got is not None and got[1] else None
+
+
+def _native_paths(matmuls: Sequence[Linear], rows: int, io_dtype: torch.dtype,
+                  instead_of_torch: bool) -> tuple[dict[tuple[int, int], int], bool] | None:
+    """(per dense shape, its paths; whether a torch choice was replaced), or None where a
+    choice is missing, a weight has no native kernel, or torch was chosen and may not be
+    (or has no native time to stand in for it)."""
     paths: dict[tuple[int, int], int] = {}
+    replaced = False
     for linear in matmuls:
         n, k = linear.shape
         if isinstance(linear, Int4Linear):
@@ -174,41 +194,18 @@ def chosen_paths(matmuls: Sequence[Linear], rows: int, io_dtype: torch.dtype
             impl = cpu_int4.implementation(rows, n, k)
         elif isinstance(linear, DenseLinear) and linear.native:
             impl = cpu_linear.chosen(io_dtype, n, k, rows)
-            paths[(n, k)] = cpu_linear.paths(impl or "", n, k)
-        else:
-            return None
-        if impl is None or impl == cpu_linear.TORCH:
-            return None
-    return paths
-
-
-def paths_instead_of_torch(matmuls: Sequence[Linear], rows: int, io_dtype: torch.dtype
-                           ) -> dict[tuple[int, int], int] | None:
-    """Where every matmul has its implementation chosen and some chose torch's: the paths the
-    one region would run each dense weight on with torch's choices replaced by the fastest
-    native variant measured beside them (a 4-bit weight: the native kernel). None where a
-    choice is missing or a weight has no native kernel here."""
-    paths: dict[tuple[int, int], int] = {}
-    replaced = False
-    for linear in matmuls:
-        n, k = linear.shape
-        if isinstance(linear, Int4Linear):
-            impl = cpu_int4.implementation(rows, n, k) if cpu_int4.supports(n, k) else None
-        elif isinstance(linear, DenseLinear) and linear.native:
-            impl = cpu_linear.chosen(io_dtype, n, k, rows)
-            if impl == cpu_linear.TORCH:
-                best = cpu_linear.best_native(io_dtype, n, k, rows)
-                if best is None:
-                    return None
-                paths[(n, k)] = cpu_linear.paths(best, n, k)
-            elif impl is not None:
+            if impl == cpu_linear.TORCH and instead_of_torch:
+                impl = cpu_linear.best_native(io_dtype, n, k, rows)
+                replaced = True
+            if impl is not None and impl != cpu_linear.TORCH:
                 paths[(n, k)] = cpu_linear.paths(impl, n, k)
         else:
             return None
-        if impl is None:
+        if impl == cpu_linear.TORCH and instead_of_torch:  # a 4-bit torch choice
+            replaced = True
+        elif impl is None or impl == cpu_linear.TORCH:
             return None
-        replaced = replaced or impl == cpu_linear.TORCH
-    return paths if replaced else None
+    return paths, replaced
 
 
 def set_paths(table: LayerTable, paths: dict[tuple[int, int], int]) -> None:

@@ -23,7 +23,7 @@ import torch
 
 from kvscope.engine.weight_formats import Linear
 from kvscope.kernels import kernel_choice
-from kvscope.kernels.cpu_linear import TOP_BUCKET, bucket
+from kvscope.kernels.cpu_linear import bucket, bucket_label
 
 ONE_REGION, BY_KERNEL = "one-region", "kernel-by-kernel"
 
@@ -39,8 +39,7 @@ def one_region_wins(matmuls: Sequence[Linear], rows: int, io_dtype: torch.dtype,
     chooser = kernel_choice.default()
     got = chooser.fast(fast_key)
     if got is None:
-        top = bucket(rows)
-        label = f"{top}+" if top == TOP_BUCKET else f"<={top}"
+        label = bucket_label(rows)
         info = {"op": "step", "dtype": dtype, "shape": shapes, "rows": label,
                 "threads": threads}
         name = f"step {dtype} {shapes} rows{label} {kernel_choice.threads_name(threads)}"

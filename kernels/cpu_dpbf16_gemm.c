@@ -11,6 +11,8 @@
  * groups of 4 shared out over the calling region's threads (cpu_team.h), the next group
  * prefetched. Every output is the same chain of dot products in input order and one fixed
  * reduction whatever the row count or thread split, so a row rounds the same in any batch.
+ * VDPBF16PS flushes subnormal inputs and sums to zero, as the AMX tiles and torch's bf16 paths
+ * do.
  */
 #include <stdint.h>
 #include <stdlib.h>

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from kvscope.kernels import kernel_choice, native
-from kvscope.kernels.cpu_linear import SERIAL, TOP_BUCKET, TORCH, bucket
+from kvscope.kernels.cpu_linear import SERIAL, TOP_BUCKET, TORCH, bucket, bucket_label
 
 NATIVE = "native"
 GROUP = 32
@@ -73,19 +73,16 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) -> 
 def _choose(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) -> str:
     m, k = x.shape
     n = scale_zero.shape[1]
-    top, threads = bucket(m), torch.get_num_threads()
-    rows = f"{top}+" if top == TOP_BUCKET else f"<={top}"
-    info = {"op": "int4", "dtype": "int4", "shape": f"{n}x{k}", "rows": rows,
-            "threads": threads}
+    info = {"op": "int4", "dtype": "int4", "shape": f"{n}x{k}", "rows": bucket_label(m),
+            "threads": torch.get_num_threads()}
     return kernel_choice.default().choose(decision_name(m, n, k),
                                           candidates(x, packed, scale_zero), info, _key(m, n, k))
 
 
 def decision_name(rows: int, n: int, k: int) -> str:
     """The chooser's name for this call's decision (`kvscope bench --kernels` asks by it)."""
-    top = bucket(rows)
-    label = f"{top}+" if top == TOP_BUCKET else f"<={top}"
-    return f"int4 {n}x{k} rows{label} {kernel_choice.threads_name(torch.get_num_threads())}"
+    threads = kernel_choice.threads_name(torch.get_num_threads())
+    return f"int4 {n}x{k} rows{bucket_label(rows)} {threads}"
 
 
 def candidates(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor

@@ -59,6 +59,12 @@ def bucket(rows: int) -> int:
     return min(1 << max(rows - 1, 0).bit_length(), TOP_BUCKET)
 
 
+def bucket_label(rows: int) -> str:
+    """How decisions and tables name the bucket of `rows` rows: "<=16", "256+"."""
+    top = bucket(rows)
+    return f"{top}+" if top == TOP_BUCKET else f"<={top}"
+
+
 def implementation(x: torch.Tensor, weight: torch.Tensor) -> str:
     """Which implementation runs x W^T (`supports(weight)` assumed): NATIVE, SERIAL or TORCH,
     measured on first use of this (dtype, weight shape, row bucket, threads)."""
@@ -73,19 +79,17 @@ def implementation(x: torch.Tensor, weight: torch.Tensor) -> str:
     if got is not None:
         return got
     dtype = str(weight.dtype).removeprefix("torch.")
-    top = bucket(rows)
-    info = {"op": "linear", "dtype": dtype, "shape": f"{n}x{k}",
-            "rows": f"{top}+" if top == TOP_BUCKET else f"<={top}", "threads": threads}
+    info = {"op": "linear", "dtype": dtype, "shape": f"{n}x{k}", "rows": bucket_label(rows),
+            "threads": threads}
     return chooser.choose(decision_name(weight.dtype, n, k, rows), candidates(x, weight), info,
                           fast_key)
 
 
 def decision_name(dtype: torch.dtype, n: int, k: int, rows: int) -> str:
     """The chooser's name for the decision a call of `rows` rows is made in."""
-    top = bucket(rows)
-    label = f"{top}+" if top == TOP_BUCKET else f"<={top}"
     threads = kernel_choice.threads_name(torch.get_num_threads())
-    return f"linear {str(dtype).removeprefix('torch.')} {n}x{k} rows{label} {threads}"
+    dtype_name = str(dtype).removeprefix("torch.")
+    return f"linear {dtype_name} {n}x{k} rows{bucket_label(rows)} {threads}"
 
 
 def best_native(dtype: torch.dtype, n: int, k: int, rows: int) -> str | None:
@@ -133,8 +137,7 @@ def candidates(x: torch.Tensor, weight: torch.Tensor) -> dict[str, Callable[[], 
 def amx_applies(weight: torch.Tensor) -> bool:
     """Whether the kernel would take this bfloat16 weight on AMX tiles (built with them,
     granted by the OS, N % 16 == 0 and K % 32 == 0)."""
-    n, k = weight.shape
-    return weight.dtype == torch.bfloat16 and bool(native.require_library().kvscope_amx_fits(n, k))
+    return weight.dtype == torch.bfloat16 and _amx_fits(*weight.shape)
 
 
 def has_vec(weight: torch.Tensor) -> bool:
@@ -143,8 +146,7 @@ def has_vec(weight: torch.Tensor) -> bool:
     if weight.dtype != torch.bfloat16:
         return False
     n, k = weight.shape
-    lib = native.require_library()
-    return bool(lib.kvscope_amx_fits(n, k) or lib.kvscope_dpbf16_fits(k))
+    return _amx_fits(n, k) or bool(native.require_library().kvscope_dpbf16_fits(k))
 
 
 def paths(impl: str, n: int, k: int) -> int:
@@ -153,7 +155,14 @@ def paths(impl: str, n: int, k: int) -> int:
     below the best (the dot products where the tiles apply, else widening)."""
     if impl not in (VEC, VEC_SERIAL):
         return AMX | DOT
-    return DOT if native.require_library().kvscope_amx_fits(n, k) else 0
+    return DOT if _amx_fits(n, k) else 0
+
+
+@functools.cache
+def _amx_fits(n: int, k: int) -> bool:
+    # fixed for the process (the CPU, the OS's grant, the shape): asked once per shape, not
+    # on every matmul of a step
+    return bool(native.require_library().kvscope_amx_fits(n, k))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -118,3 +118,21 @@ def test_paths_instead_of_torch_needs_every_choice_made(tiny, monkeypatch):  # n
     got = fused_one_region.paths_instead_of_torch(matmuls, 4, torch.float32)
     assert got == {tuple(matmuls[0].shape): cpu_linear.paths(cpu_linear.NATIVE, 1, 1),
                    torch_shape: cpu_linear.paths(cpu_linear.VEC_SERIAL, *torch_shape)}
+
+
+def test_a_4bit_torch_choice_is_replaced_by_the_native_kernel(tiny, monkeypatch):  # noqa: F811
+    """4-bit weights have one native kernel: a torch choice is stood in for by it (no paths:
+    those are for dense bfloat16 weights), and without the step choice it keeps the step off
+    the one region."""
+    from kvscope.kernels import cpu_int4
+
+    model = make_llm(tiny, "int4").engine.model
+    matmuls = [model.layers[0].qkv, model.layers[0].gate_up]
+    torch_shape = tuple(matmuls[1].shape)
+    monkeypatch.setattr(cpu_int4, "implementation", lambda r, n, k: cpu_linear.TORCH
+                        if (n, k) == torch_shape else cpu_int4.NATIVE)
+    assert fused_one_region.chosen_paths(matmuls, 4, torch.bfloat16) is None
+    assert fused_one_region.paths_instead_of_torch(matmuls, 4, torch.bfloat16) == {}
+    monkeypatch.setattr(cpu_int4, "implementation", lambda r, n, k: cpu_int4.NATIVE)
+    assert fused_one_region.chosen_paths(matmuls, 4, torch.bfloat16) == {}
+    assert fused_one_region.paths_instead_of_torch(matmuls, 4, torch.bfloat16) is None

@@ -30,7 +30,7 @@ def test_a_big_pool_tensor_starts_at_a_huge_page_and_goes_when_freed():
     assert not mapped(address)
 
 
-def test_a_pool_tensor_under_a_huge_page_is_mapped_without_a_spare_head():
+def test_pool_tensors_under_a_huge_page_are_zeroed_whole():
     small = kv_memory.zeros((100, 16, 3, 64), torch.int8, "cpu")  # 300 KiB: torch's allocator
     assert not small.any() and small.dtype == torch.int8
     t = kv_memory.zeros((600, 16, 3, 64), torch.int8, "cpu")  # 1.8 MiB: its own mapping
