@@ -160,10 +160,12 @@ def run(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
-    command, state = server.start()
+    # The step loop runs here, on the thread that built the engine (EngineServer.start):
+    # stepped from a second thread, libgomp stops spinning and a chat decodes at half speed.
+    # The handlers above still run: the loop waits for commands at most HEARTBEAT_S at a time.
+    command, state = server.start(engine_thread=False)
     print(f"ready {command} {state}", flush=True)
-    while not server.wait(0.25):  # short waits so the signal handlers get to run
-        pass
+    server.run()
     if http is not None:
         http.close()
     server.close()

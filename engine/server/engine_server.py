@@ -123,14 +123,29 @@ class EngineServer:
         self.done = threading.Event()
 
     # -- lifecycle (main thread) -----------------------------------------------------------
-    def start(self) -> tuple[str, str]:
+    def start(self, engine_thread: bool = True) -> tuple[str, str]:
+        """Serve: the I/O thread starts, and the step loop in its own thread, or, with
+        engine_thread=False, in the caller's when it calls run().
+
+        Step the engine from the thread that built it (`kvscope serve` does, by running the
+        loop on its main thread): every thread that runs torch or kvscope kernels becomes an
+        OpenMP master with its own pool, and once libgomp manages more threads than there
+        are cores it stops its threads spinning between parallel regions (its throttled
+        spin count, 100 rounds), so each of a step's hundreds of regions pays a futex
+        wake-up. Built on the main thread and stepped on another, one chat decoded at half
+        the speed on 2 cores (docs/threads.md)."""
         # /metrics gets the engine's state before anyone is told the server is up, so a
         # scrape right after `ready` already sees every family (the engine thread is not
         # running yet: no race on the engine).
         self.feed.refresh(self.version)
         self.io.start()
-        self.thread.start()
+        if engine_thread:
+            self.thread.start()
         return self.endpoints
+
+    def run(self) -> None:
+        """The step loop in the calling thread, until request_stop() (start(False) first)."""
+        self._run()
 
     def request_stop(self) -> None:
         """Safe from a signal handler: the engine thread aborts in-flight requests and exits."""
@@ -141,7 +156,8 @@ class EngineServer:
 
     def close(self) -> None:
         self.request_stop()
-        self.thread.join(10)
+        if self.thread.is_alive():
+            self.thread.join(10)
         self.io.join(10)
         if not (self.thread.is_alive() or self.io.is_alive()):
             if self.auth is not None:
