@@ -38,7 +38,8 @@ from kvscope.benchmarks.timing import add_json_flag, print_result, progress_logg
 DEFAULT_CONTEXTS = (512, 2048, 6000, 8000)
 DEFAULT_PROMPTS = (512, 2048, 8000)
 DEFAULT_KV_DTYPES = ("float32", "bfloat16", "int8", "fp8")
-KV_DTYPE_CHOICES = ("float32", "bfloat16", "float16", "int8", "fp8")
+# "auto": the engine's default for these weights (bfloat16 KV beside int4 weights on the CPU)
+KV_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 # kvscope's 1-byte dtypes are compared with llama.cpp's q8_0 as well as with its f16.
 ONE_BYTE = ("int8", "fp8")
 
@@ -185,6 +186,7 @@ def measure_kvscope(args: argparse.Namespace) -> dict:
     import torch
 
     from kvscope.engine.config import resolve_dtype
+    from kvscope.engine.llm_engine import kv_dtype_name
     from kvscope.engine.loader import load_model
     from kvscope.kernels import kernel_choice, native
 
@@ -211,7 +213,8 @@ def measure_kvscope(args: argparse.Namespace) -> dict:
     for kv, engine in engines.items():
         result["weights"] = engine.weights
         result["prefill_chunk"] = engine.config.max_num_batched_tokens
-        result["kv_dtypes"][kv] = {"rotation": engine.kv_rotation, **measured[kv]}
+        result["kv_dtypes"][kv] = {"rotation": engine.kv_rotation,
+                                   "storage": kv_dtype_name(engine.kv_dtype), **measured[kv]}
     return result
 
 
@@ -276,16 +279,22 @@ def _section(result: dict, kind: str, lengths: list[int], title: str) -> list[st
     llama = result.get("llama.cpp", {})
     theirs = {kv: llama[kv][kind] for kv in llama_tools.KV_FLAGS if kv in llama}
     lines = [title, f"{'':28}" + "".join(f"{n:>8}" for n in lengths)]
-    lines += [f"{'kvscope ' + kv:28}{_cells(r, lengths)}" for kv, r in ours.items()]
+    stored = {kv: r.get("storage", kv) for kv, r in result["kvscope"]["kv_dtypes"].items()}
+    lines += [f"{'kvscope ' + _label(kv, stored[kv]):28}{_cells(r, lengths)}"
+              for kv, r in ours.items()]
     names = {"f16": "llama.cpp f16", "q8_0": "llama.cpp q8_0 (-fa 1)"}
     lines += [f"{names[kv]:28}{_cells(r, lengths)}" for kv, r in theirs.items()]
     if kind == "prefill" and "batched_prefill" in llama:
         lines.append(f"{'llama-batched-bench B=1':28}{_cells(llama['batched_prefill'], lengths)}")
     for kv, r in ours.items():
         for peer in ("f16", "q8_0"):
-            if peer in theirs and (peer == "f16" or kv in ONE_BYTE):
+            if peer in theirs and (peer == "f16" or stored[kv] in ONE_BYTE):
                 lines.append(f"{kv + ' / ' + peer:28}{_ratio_cells(r, theirs[peer], lengths)}")
     return lines
+
+
+def _label(kv: str, storage: str) -> str:
+    return kv if storage == kv else f"{kv} ({storage})"
 
 
 def format_table(result: dict) -> str:

@@ -118,7 +118,7 @@ class LLMEngine:
 
     # -- pool ------------------------------------------------------------------------------
     def _kv_torch_dtype(self, config: EngineConfig) -> torch.dtype:
-        return resolve_kv_dtype(config.kv_dtype, config.dtype, self.device)
+        return resolve_kv_dtype(config.kv_dtype, config.dtype, self.device, self.weights)
 
     def _build_pool(self, previous: Scheduler | None) -> None:
         """The pool, block manager, scheduler and runner for the config in force. `previous`

@@ -177,3 +177,19 @@ def test_device_panel_counts_the_quantized_bytes(tiny):
     assert int4_bytes == sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                               for t in int4.model.tensors()}.values())
     assert int4_bytes < 0.6 * dense_bytes
+
+
+def test_auto_kv_is_bfloat16_beside_quantized_weights_on_the_cpu(tiny):
+    """The CPU default (docs/kv-dtypes.md, "The CPU default"): quantized weights already round
+    every matmul input to bfloat16, so 'auto' stores KV in bfloat16 there; dense weights keep
+    float32 KV (token-exact with Hugging Face); an explicit dtype is always kept."""
+    from kvscope.engine.config import resolve_kv_dtype
+
+    assert make_llm(tiny, "auto").stats().kv_dtype == "bfloat16"
+    assert make_llm(tiny, "int8").stats().kv_dtype == "bfloat16"
+    assert make_llm(tiny, "dense").stats().kv_dtype == "float32"
+    assert resolve_kv_dtype("auto", "auto", "cpu", "int4") == torch.bfloat16
+    assert resolve_kv_dtype("auto", "auto", "cpu") == torch.float32
+    assert resolve_kv_dtype("float32", "auto", "cpu", "int4") == torch.float32
+    assert resolve_kv_dtype("auto", "float16", "cpu", "int4") == torch.float16
+    assert resolve_kv_dtype("auto", "auto", "cuda", "dense") == torch.bfloat16
