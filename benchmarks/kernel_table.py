@@ -79,18 +79,30 @@ def _ask(lin: Any, rows: int) -> None:
         cpu_int4.int4_mm(torch.randn(rows, k).to(torch.bfloat16), lin.packed, lin.scale_zero)
 
 
-def decide(model: Any, concurrency: int, remeasure: bool) -> dict[str, Any]:
-    """Ask for each decision (measuring what the cache lacks); the report dict."""
-    from kvscope.kernels import kernel_choice
+def decide(model: Any, concurrency: int, remeasure: bool,
+           kv_dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """Ask for each decision (measuring what the cache lacks); the report dict. kv_dtype:
+    the pool's, for the prefill attention's decision (a bfloat16 pool beside float32
+    activations: kernels.cpu_prefill_attention)."""
+    from kvscope.kernels import cpu_prefill_attention, kernel_choice
 
     chooser = kernel_choice.default()
     asked = model_decisions(model, concurrency)
     names = [_name(lin, rows) for lin, rows in asked]
+    shape = model.shape
+    attention = (kv_dtype == torch.bfloat16 and model.dtype == torch.float32
+                 and cpu_prefill_attention.FLASH is not None)
+    if attention:
+        names.append(cpu_prefill_attention.decision_name(shape.num_heads, shape.num_kv_heads,
+                                                         shape.head_dim))
     if remeasure:
         chooser.forget(names)
     with torch.inference_mode():
         for lin, rows in asked:
             _ask(lin, rows)
+        if attention:
+            cpu_prefill_attention.decide_for(shape.num_heads, shape.num_kv_heads,
+                                             shape.head_dim)
     table = {d.name: d for d in chooser.table()}
     return {
         "machine": chooser.key,
@@ -132,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
 
     args.max_num_seqs = args.concurrency
     llm = LLM(engine_config_from_args(args))
-    report = decide(llm.engine.model, args.concurrency, args.remeasure_kernels)
+    report = decide(llm.engine.model, args.concurrency, args.remeasure_kernels,
+                    llm.engine.kv_dtype)
     print_result(report, format_kernel_table, args.json)
     return 0

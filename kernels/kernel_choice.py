@@ -10,8 +10,9 @@ best of several is what survives a neighbour's burst on a shared machine. Each t
 follows a short busy wait (GAP_S), as in a step, so waking idle threads is part of its time. Only
 shapes that actually run are measured, each once per machine. A choice only picks which
 implementation runs; each candidate computes the same math (their float rounding orders
-are tested against the same references). The clock is a parameter so tests drive the
-chooser with fake timings.
+are tested against the same references); the one exception, bfloat16 prefill attention over
+a bfloat16 pool, says so where it is chosen (kernels.cpu_prefill_attention). The clock is a
+parameter so tests drive the chooser with fake timings.
 """
 from __future__ import annotations
 

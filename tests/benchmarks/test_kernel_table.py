@@ -29,7 +29,8 @@ def fake_chooser(tmp_path, monkeypatch):
 
     def measure(self, candidates):
         made.append(sorted(candidates))
-        fake = {"torch": 1e-3, "native": 2e-3, "native-serial": 3e-3}
+        fake = {"torch": 1e-3, "native": 2e-3, "native-serial": 3e-3,
+                "float32": 2e-3, "bfloat16": 1e-3}  # the prefill attention's candidates
         assert real_measure  # the real one times with perf_counter: not in a test
         return {n: fake[n] for n in candidates}
 
@@ -92,5 +93,12 @@ def test_4bit_weights_choose_between_torch_and_the_native_int4_kernel(tiny, caps
         for r in ("<=1", "<=2", "<=4", "256+")} | {("512x64", r) for r in ("<=1", "<=2", "<=4")}
     assert all(set(d["times_ms"]) == {"torch", "native", "native-serial"} for d in int4)
     assert {d["choice"] for d in int4} == {"torch"}  # the fake timings' fastest
+    # int4 weights store KV in bfloat16 by default: the prefill attention's dtype is chosen
+    attn, = [d for d in got["decisions"] if d["op"] == "attn"]
+    assert set(attn["times_ms"]) == {"float32", "bfloat16"} and attn["choice"] == "bfloat16"
+    assert attn["shape"] == "4x2x16"
     again = kernels(tiny, capsys, "--weights", "int4")
-    assert {d["source"] for d in again["decisions"] if d["op"] == "int4"} == {"cached"}
+    assert {d["source"] for d in again["decisions"] if d["op"] in ("int4", "attn")} \
+        == {"cached"}
+    dense = kernels(tiny, capsys)  # float32 KV: no attention decision
+    assert not [d for d in dense["decisions"] if d["op"] == "attn"]
