@@ -65,7 +65,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="priority: while a more urgent request is live (or left less than "
                         "--priority-hold-s ago), a step carries at most this many tokens of "
                         "less urgent work, round-robin, so the urgent one's steps stay short; "
-                        "0 = off (default; docs/scheduling.md has the trade-off)")
+                        "0 = off (default 8; docs/scheduling.md has the trade-off)")
     g.add_argument("--priority-hold-s", type=float, default=DEFAULT_PRIORITY_HOLD_S,
                    help="keep those short steps this long after the urgent requests left, so "
                         "a chat's next turn starts within one of them; 0 = no hold")

@@ -190,8 +190,8 @@ def test_background_progresses_under_endless_urgent_work(num_bg, lower, lengths,
 
 
 def test_engine_config_protection_defaults_and_bad_values():
-    assert (EngineConfig().priority_lower_tokens, EngineConfig().priority_hold_s) == (0, 5.0)
-    cfg = EngineConfig(priority_lower_tokens=8)
+    assert (EngineConfig().priority_lower_tokens, EngineConfig().priority_hold_s) == (8, 5.0)
+    cfg = EngineConfig(priority_lower_tokens=4)
     sched = scheduler_for(BlockManager(8, 4, False), cfg, None)
     assert (sched.priority_lower_tokens, sched.priority_hold_s) == (
         cfg.priority_lower_tokens, cfg.priority_hold_s)
