@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvscope.benchmarks.timing import add_json_flag, print_result, progress_logger
+from kvscope.benchmarks.timing import add_json_flag, progress_logger, run_benchmark
 
 log = progress_logger("kv-default")
 DEFAULT_SETTINGS = ["dense:bfloat16", "int4:float32", "int4:bfloat16"]
@@ -86,9 +86,7 @@ def format_table(results: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    print_result(run(args), format_table, args.json)
-    return 0
+    return run_benchmark(argv, parse_args, run, format_table)
 
 
 if __name__ == "__main__":

@@ -121,3 +121,12 @@ def print_result(result: Any, table: Callable[[Any], str], as_json: bool, *,
     text = table(result)
     if text:
         print(text)
+
+
+def run_benchmark(argv: list[str] | None, parse: Callable[[list[str]], Any],
+                  run: Callable[[Any], Any], table: Callable[[Any], str]) -> int:
+    """A benchmark's `main`: parse argv (the command line's when None), run, print the
+    table or, with --json, the result."""
+    args = parse(sys.argv[1:] if argv is None else argv)
+    print_result(run(args), table, args.json)
+    return 0

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from kvscope.kernels import cpu_attention, native, ops
+from kvscope.kernels import cpu_attention, cpu_prefill_attention, native, ops
 from kvscope.kernels.attention_ref import (
     AttentionMetadata,
     group_decode_rows,
@@ -27,6 +27,14 @@ FP8 = torch.float8_e4m3fn
 # a whole prompt (q_len == ctx) and a one-token sequence.
 Q_LENS = [1, 1, 6, 1, 4, 1]
 CTX_LENS = [1, 23, 30, 40, 4, 17]
+
+
+@pytest.fixture(autouse=True)
+def float32_prefill_passes(monkeypatch):
+    """The prefill chunks' flash passes in float32 whatever this machine's chooser picked for a
+    bfloat16 pool (kernels/cpu_prefill_attention.py): the paths compared here at 2e-5 are the
+    decode rows' and the window/softcap reference's."""
+    monkeypatch.setattr(cpu_prefill_attention, "compute_dtype", lambda flash, q, k: q.dtype)
 
 
 def first_window_pos(position: int, window: int) -> int:
