@@ -104,6 +104,9 @@ def decide(model: Any, concurrency: int, remeasure: bool,
             cpu_prefill_attention.decide_for(shape.num_heads, shape.num_kv_heads,
                                              shape.head_dim)
     table = {d.name: d for d in chooser.table()}
+    # the decode attention's thread split is decided by the calls themselves (on their own
+    # pools, kernels/decode_split.py): shown as the runs on this machine left it
+    names += sorted(n for n in table if n.startswith("decode-attention ") and n not in names)
     return {
         "machine": chooser.key,
         "cache_file": str(chooser.path),

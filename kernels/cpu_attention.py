@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvscope.kernels import native
+from kvscope.kernels import decode_split, native
 from kvscope.kernels.anchors import Anchors
 from kvscope.kernels.attention_ref import (
     AttentionMetadata,
@@ -113,11 +113,17 @@ def _run(out: torch.Tensor, q: torch.Tensor, rows: torch.Tensor, tables: torch.T
         anchor_idx = None
     elif not (ak.is_contiguous() and av.is_contiguous() and ak.dtype == torch.float32):
         raise ValueError("anchor rows must be contiguous float32")
-    status = lib.kvscope_paged_decode(
-        out.data_ptr(), q.data_ptr(), rows.data_ptr(), tables.data_ptr(), tables.shape[1],
-        lens.data_ptr(), 0, len(rows), k_cache.data_ptr(), v_cache.data_ptr(), ptr(k_scale),
-        ptr(v_scale), q.shape[1], kv_heads, head_dim, block_size, KINDS[k_cache.dtype],
-        attn.scale, int(q.dtype == torch.bfloat16), ptr(ak), ptr(av), ptr(anchor_idx),
-        ak.shape[1] if ak is not None else 0, attn.window, attn.softcap)
-    if status:
-        raise MemoryError("the CPU attention kernel could not allocate its score buffer")
+
+    def call(parallel: int) -> None:
+        status = lib.kvscope_paged_decode(
+            out.data_ptr(), q.data_ptr(), rows.data_ptr(), tables.data_ptr(), tables.shape[1],
+            lens.data_ptr(), 0, len(rows), k_cache.data_ptr(), v_cache.data_ptr(),
+            ptr(k_scale), ptr(v_scale), q.shape[1], kv_heads, head_dim, block_size,
+            KINDS[k_cache.dtype], attn.scale, int(q.dtype == torch.bfloat16), ptr(ak), ptr(av),
+            ptr(anchor_idx), ak.shape[1] if ak is not None else 0, attn.window, attn.softcap,
+            parallel)
+        if status:
+            raise MemoryError("the CPU attention kernel could not allocate its score buffer")
+
+    cached = int(lens.clamp(max=attn.window).sum() if attn.window else lens.sum()) * kv_heads
+    call(decode_split.parallel(call, str(k_cache.dtype).removeprefix("torch."), cached))

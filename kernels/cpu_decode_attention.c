@@ -418,7 +418,8 @@ static span_fn pick(int kind, int64_t d, int64_t group) {
     return d64[kind][group <= 4 ? group : 0];
 }
 
-/* Below this many cached rows in a call, a parallel region costs more than it saves. */
+/* Below this many cached rows in a call, a parallel region costs more than it saves: the
+ * default when the caller has not measured (kvscope_paged_decode's `parallel` < 0). */
 #define PARALLEL_MIN_ROWS 2048
 /* A sequence is cut into spans of this many positions (rounded up to a multiple of the block
  * size), so that one long sequence, or a few, keep every thread busy. The cut depends on the
@@ -753,6 +754,8 @@ void kvscope_decode_team(const decode_call *c, const decode_plan *p, int *status
  * The call's arguments are a decode_call (cpu_team.h): kvscope_paged_decode shares one out
  * over a parallel region of its own; engine/fused_decode.py's whole-step call
  * (kernels/cpu_decode_step.c) runs the same plan and team inside one region for every layer.
+ * parallel: 1 shares the call over torch's threads, 0 runs it on the calling thread, < 0
+ * leaves it to PARALLEL_MIN_ROWS (kernels/cpu_attention.py measures which, per machine).
  * Returns 1 when the scratch could not be allocated. */
 int kvscope_paged_decode(void *out, const void *query, const int64_t *rows,
                          const int64_t *tables, int64_t table_stride, const int64_t *lens,
@@ -761,13 +764,14 @@ int kvscope_paged_decode(void *out, const void *query, const int64_t *rows,
                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int kind,
                          float sm_scale, int io_bf16, const float *anchor_k,
                          const float *anchor_v, const int64_t *anchor_idx, int64_t anchor_len,
-                         int64_t window, float softcap) {
+                         int64_t window, float softcap, int parallel) {
     const decode_call c = {out, query, rows, tables, table_stride, lens, first, last, k_cache,
                            v_cache, k_scale, v_scale, num_heads, num_kv_heads, head_dim,
                            block_size, kind, sm_scale, io_bf16, anchor_k, anchor_v, anchor_idx,
                            anchor_len, window, softcap};
     decode_plan p;
     if (kvscope_decode_plan_make(&p, &c)) return 1;
+    if (parallel >= 0) p.parallel = parallel && p.nshared + p.items > 1;
     int failed = 0;
 #pragma omp parallel if (p.parallel)
     kvscope_decode_team(&c, &p, &failed);

@@ -39,9 +39,9 @@ FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native", "-fo
 
 P, I64, INT, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
-    # ..., anchor_len, window, softcap
+    # ..., anchor_len, window, softcap, parallel
     "kvscope_paged_decode": [P, P, P, P, I64, P, I64, I64, P, P, P, P, I64, I64, I64, I64, INT,
-                             F32, INT, P, P, P, I64, I64, F32],
+                             F32, INT, P, P, P, I64, I64, F32, INT],
     "kvscope_add_rms_norm": [P, P, P, F32, P, I64, I64, INT],
     "kvscope_add": [P, P, I64, INT],
     "kvscope_silu_mul": [P, P, I64, I64, INT],

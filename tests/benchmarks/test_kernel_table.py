@@ -102,3 +102,25 @@ def test_4bit_weights_choose_between_torch_and_the_native_int4_kernel(tiny, caps
         == {"cached"}
     dense = kernels(tiny, capsys)  # float32 KV: no attention decision
     assert not [d for d in dense["decisions"] if d["op"] == "attn"]
+
+
+def test_the_decode_attention_splits_this_machine_decided_are_listed(tiny, capsys,
+                                                                     fake_chooser):
+    """kernels/decode_split.py decides per call; the table shows what the runs left."""
+    import torch
+
+    from kvscope.kernels import cpu_attention
+    from kvscope.testing.pools import build_batch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        query, kc, vc, meta, _ = build_batch([1, 1], [300, 40], 16, 4, 2, 64, num_blocks=64,
+                                             seed=1)
+        cpu_attention.paged_attention_cpu(query, kc, vc, meta, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    attn = [d for d in kernels(tiny, capsys)["decisions"] if d["op"] == "attn"]
+    assert [(d["dtype"], d["rows"], d["choice"]) for d in attn] == [
+        ("float32", "<=1024", "native")]  # 340 rows x 2 KV heads; fake: native beats serial
+    assert attn[0]["source"] == "cached"

@@ -1,0 +1,72 @@
+"""The kernel-by-kernel decode attention's thread split (kernels/decode_split.py), decided by
+the kernel chooser per pool dtype, bucket of cached rows and threads: either answer gives the
+same bits, each bucket is decided once, one thread decides nothing."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvscope.kernels import cpu_attention, decode_split, native
+from kvscope.testing.pools import build_batch
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler here")
+
+
+class Scripted:
+    """Runs each candidate once (as a measurement would) and answers `winner`."""
+
+    def __init__(self, winner: str) -> None:
+        self.winner, self.asked, self.decided = winner, [], {}
+
+    def fast(self, key):
+        return self.decided.get(key)
+
+    def choose(self, name, candidates, info=None, fast_key=None):
+        self.asked.append(name)
+        for run in candidates.values():
+            run()
+        self.decided[fast_key] = self.winner
+        return self.winner
+
+
+def decode(ctx_lens):
+    query, kc, vc, meta, _ = build_batch([1] * len(ctx_lens), ctx_lens, 16, 9, 3, 64,
+                                         num_blocks=600, seed=4)
+    return lambda: cpu_attention.paged_attention_cpu(query, kc, vc, meta, 0.125)
+
+
+@pytest.mark.parametrize("winner", [decode_split.PARALLEL, decode_split.SERIAL])
+def test_either_split_gives_the_same_bits_and_is_decided_once(winner, monkeypatch):
+    torch.set_num_threads(2)
+    run = decode([700, 900, 1200])  # 2800 rows x 3 KV heads: the <=16384 bucket
+    monkeypatch.setattr(decode_split.kernel_choice, "default", lambda: Scripted("unused"))
+    monkeypatch.setattr(decode_split, "parallel", lambda call, dtype, rows: -1)
+    baseline = run()  # the kernel's own rule
+    chooser = Scripted(winner)
+    monkeypatch.undo()
+    monkeypatch.setattr(decode_split.kernel_choice, "default", lambda: chooser)
+    got = run()
+    assert torch.equal(got, baseline)
+    assert chooser.asked == [decode_split.decision_name("float32", 8400)]
+    assert "rows<=16384" in chooser.asked[0]
+    assert torch.equal(run(), baseline) and len(chooser.asked) == 1
+    decode([20, 30])()  # a smaller bucket is its own decision
+    assert len(chooser.asked) == 2 and "rows<=256" in chooser.asked[1]
+
+
+def test_one_thread_decides_nothing(monkeypatch):
+    chooser = Scripted(decode_split.PARALLEL)
+    monkeypatch.setattr(decode_split.kernel_choice, "default", lambda: chooser)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        decode([300, 40])()
+    finally:
+        torch.set_num_threads(threads)
+    assert chooser.asked == []
+
+
+def test_buckets():
+    assert [decode_split.bucket(n) for n in (1, 256, 257, 5000, 10**6)] == [
+        256, 256, 512, 8192, 65536]
+    assert decode_split.bucket_label(10**6) == "65536+"
