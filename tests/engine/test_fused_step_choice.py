@@ -7,37 +7,22 @@ import pytest
 import torch
 
 from kvscope.engine import fused_decode, fused_one_region, fused_step_choice
-from kvscope.kernels import cpu_linear, native
+from kvscope.kernels import cpu_linear, decode_split, native
 from tests.engine.test_fused_decode import capture_decode_step
 from tests.engine.test_fused_one_region import PROMPTS, make_llm, pool_tensors
 from tests.engine.test_weight_formats import tiny  # noqa: F401  (a 4-bit tiny model fixture)
+from tests.support.scripted_chooser import ScriptedChooser
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no native CPU kernels here")
-
-
-class ScriptedChooser:
-    """Runs every candidate once on the step's inputs (as a measurement would) and answers
-    `winner`; remembers its answer under the fast key as the real chooser does."""
-
-    def __init__(self, winner: str) -> None:
-        self.winner, self.asked, self.ran, self.decided = winner, [], [], {}
-
-    def fast(self, key):
-        return self.decided.get(key)
-
-    def choose(self, name, candidates, info=None, fast_key=None):
-        self.asked.append((name, info))
-        for label, run in candidates.items():
-            self.ran.append(label)
-            run()
-        self.decided[fast_key] = self.winner
-        return self.winner
 
 
 @pytest.fixture
 def step(tiny, monkeypatch):  # noqa: F811
     """A captured float32 dense decode step, a way to run it from the same pool state, and
-    the gate_up shape that torch is made to win."""
+    the gate_up shape that torch is made to win. The kernel-by-kernel step's attention
+    calls keep the kernel's own thread split (kernels/decode_split.py asks the same chooser:
+    not the decision under test)."""
+    monkeypatch.setattr(decode_split, "parallel", lambda call, dtype, rows: -1)
     llm = make_llm(tiny, "dense")
     model = llm.engine.model
     ids, positions, meta, pool = capture_decode_step(llm, PROMPTS)

@@ -12,6 +12,7 @@ from kvscope.kernels import cpu_attention, cpu_prefill_attention
 from kvscope.kernels.attention_ref import paged_attention_ref
 from kvscope.kernels.quant import quantize
 from tests.kernels.test_attention_ref import build_batch, reference
+from tests.support.scripted_chooser import ScriptedChooser
 
 pytestmark = pytest.mark.skipif(cpu_prefill_attention.FLASH is None,
                                 reason="this torch has no fused CPU flash attention op")
@@ -117,29 +118,12 @@ def test_the_cpu_attention_sends_prefill_chunks_here(monkeypatch):
     assert len(seen) == 2
 
 
-class _Scripted:
-    """A chooser that runs each candidate once and answers `winner` (no timing)."""
-
-    def __init__(self, winner: str) -> None:
-        self.winner, self.asked, self.decided = winner, [], {}
-
-    def fast(self, key):
-        return self.decided.get(key)
-
-    def choose(self, name, candidates, info=None, fast_key=None):
-        self.asked.append(name)
-        for run in candidates.values():
-            run()
-        self.decided[fast_key] = self.winner
-        return self.winner
-
-
 @pytest.mark.parametrize("winner", ["float32", "bfloat16"])
 def test_float32_queries_over_a_bfloat16_pool_run_as_measured(winner, monkeypatch):
     """The chooser decides, once, whether the passes run in bfloat16; either way the result
     is the float32 reference's over the same pool, to float32 summation order (1e-5) or to
     bfloat16 queries and probabilities (1e-2)."""
-    chooser = _Scripted(winner)
+    chooser = ScriptedChooser(winner)
     monkeypatch.setattr(cpu_prefill_attention.kernel_choice, "default", lambda: chooser)
     query, kc, vc, meta, _ = build_batch(Q_LENS, CTX_LENS, 4, 9, 3, 64, num_blocks=80, seed=3)
     kc, vc = kc.bfloat16(), vc.bfloat16()
@@ -152,11 +136,11 @@ def test_float32_queries_over_a_bfloat16_pool_run_as_measured(winner, monkeypatc
     if winner == "bfloat16":  # it really ran in bfloat16: not float32-exact
         assert not torch.allclose(got[rows], want[rows], rtol=1e-5, atol=1e-5)
     cpu_prefill_attention.prefill_attention_cpu(query, kc, vc, meta, 0.125)
-    assert len(chooser.asked) == 1 and "bfloat16-pool 9x3x64" in chooser.asked[0]
+    assert len(chooser.names) == 1 and "bfloat16-pool 9x3x64" in chooser.names[0]
 
 
 def test_float32_pools_are_not_a_decision(monkeypatch):
-    chooser = _Scripted("bfloat16")
+    chooser = ScriptedChooser("bfloat16")
     monkeypatch.setattr(cpu_prefill_attention.kernel_choice, "default", lambda: chooser)
     query, kc, vc, meta, _ = build_batch(Q_LENS, CTX_LENS, 4, 9, 3, 64, num_blocks=80, seed=3)
     cpu_prefill_attention.prefill_attention_cpu(query, kc, vc, meta, 0.125)

@@ -8,25 +8,9 @@ import torch
 
 from kvscope.kernels import cpu_attention, decode_split, native
 from kvscope.testing.pools import build_batch
+from tests.support.scripted_chooser import ScriptedChooser
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler here")
-
-
-class Scripted:
-    """Runs each candidate once (as a measurement would) and answers `winner`."""
-
-    def __init__(self, winner: str) -> None:
-        self.winner, self.asked, self.decided = winner, [], {}
-
-    def fast(self, key):
-        return self.decided.get(key)
-
-    def choose(self, name, candidates, info=None, fast_key=None):
-        self.asked.append(name)
-        for run in candidates.values():
-            run()
-        self.decided[fast_key] = self.winner
-        return self.winner
 
 
 def decode(ctx_lens):
@@ -35,27 +19,34 @@ def decode(ctx_lens):
     return lambda: cpu_attention.paged_attention_cpu(query, kc, vc, meta, 0.125)
 
 
-@pytest.mark.parametrize("winner", [decode_split.PARALLEL, decode_split.SERIAL])
-def test_either_split_gives_the_same_bits_and_is_decided_once(winner, monkeypatch):
+@pytest.fixture
+def two_threads():
+    threads = torch.get_num_threads()
     torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("winner", [decode_split.PARALLEL, decode_split.SERIAL])
+def test_either_split_gives_the_same_bits_and_is_decided_once(winner, monkeypatch, two_threads):
     run = decode([700, 900, 1200])  # 2800 rows x 3 KV heads: the <=16384 bucket
-    monkeypatch.setattr(decode_split.kernel_choice, "default", lambda: Scripted("unused"))
+    monkeypatch.setattr(decode_split.kernel_choice, "default", lambda: ScriptedChooser("unused"))
     monkeypatch.setattr(decode_split, "parallel", lambda call, dtype, rows: -1)
     baseline = run()  # the kernel's own rule
-    chooser = Scripted(winner)
+    chooser = ScriptedChooser(winner)
     monkeypatch.undo()
     monkeypatch.setattr(decode_split.kernel_choice, "default", lambda: chooser)
     got = run()
     assert torch.equal(got, baseline)
-    assert chooser.asked == [decode_split.decision_name("float32", 8400)]
-    assert "rows<=16384" in chooser.asked[0]
-    assert torch.equal(run(), baseline) and len(chooser.asked) == 1
+    assert chooser.names == [decode_split.decision_name("float32", 8400)]
+    assert "rows<=16384" in chooser.names[0]
+    assert torch.equal(run(), baseline) and len(chooser.names) == 1
     decode([20, 30])()  # a smaller bucket is its own decision
-    assert len(chooser.asked) == 2 and "rows<=256" in chooser.asked[1]
+    assert len(chooser.names) == 2 and "rows<=256" in chooser.names[1]
 
 
 def test_one_thread_decides_nothing(monkeypatch):
-    chooser = Scripted(decode_split.PARALLEL)
+    chooser = ScriptedChooser(decode_split.PARALLEL)
     monkeypatch.setattr(decode_split.kernel_choice, "default", lambda: chooser)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -63,7 +54,7 @@ def test_one_thread_decides_nothing(monkeypatch):
         decode([300, 40])()
     finally:
         torch.set_num_threads(threads)
-    assert chooser.asked == []
+    assert chooser.names == []
 
 
 def test_buckets():
