@@ -25,17 +25,20 @@ from kvscope.kernels.cpu_prefill_attention import prefill_attention_cpu
 
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3,
          torch.float8_e4m3fn: 4}
+# The pool dtype as the thread split's decisions name it (kernels.decode_split).
+DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in KINDS}
 IO_DTYPES = (torch.float32, torch.bfloat16)  # query/output rows the kernel reads and writes
 # (query rows, block tables, context lengths, anchor entries or None) of a step's decode rows.
 DecodeRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
 class Attention(NamedTuple):
-    """A layer's attention constants: query scale, sliding window (0: none), softcap (0: off).
-    """
+    """A layer's attention constants: query scale, sliding window (0: none), softcap (0: off),
+    and the positions the step's decode rows read under that window."""
     scale: float
     window: int
     softcap: float
+    cached_rows: int
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -56,7 +59,7 @@ def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if not len(rows):
         return prefill_attention_cpu(query, k_cache, v_cache, meta, scale, k_scale, v_scale,
                                      anchors, window=window, softcap=softcap)
-    attn = Attention(scale, window, softcap)
+    attn = Attention(scale, window, softcap, cached_rows(meta, lens, window))
     pool: LayerPool = (k_cache, v_cache, k_scale, v_scale,
                        anchors if anchor_idx is not None else None)
     if not meta.prefill_seqs and query.dtype in IO_DTYPES:  # rows in and out as they are
@@ -95,6 +98,16 @@ def decode_rows(meta: AttentionMetadata) -> DecodeRows:
     return got
 
 
+def cached_rows(meta: AttentionMetadata, lens: torch.Tensor, window: int) -> int:
+    """The positions the step's decode rows read (under `window`), for the thread split's
+    bucket (kernels.decode_split): summed on the first layer's call per window, kept on
+    `meta`."""
+    known: dict[int, int] = meta.__dict__.setdefault("_cpu_cached_rows", {})
+    if window not in known:
+        known[window] = int((lens.clamp(max=window) if window else lens).sum())
+    return known[window]
+
+
 def _prefill_only(meta: AttentionMetadata) -> AttentionMetadata:
     return AttentionMetadata(meta.query_start_loc, meta.context_lens, meta.block_tables,
                              meta.slot_mapping, [], meta.prefill_seqs, meta.rotation,
@@ -125,5 +138,4 @@ def _run(out: torch.Tensor, q: torch.Tensor, rows: torch.Tensor, tables: torch.T
         if status:
             raise MemoryError("the CPU attention kernel could not allocate its score buffer")
 
-    cached = int(lens.clamp(max=attn.window).sum() if attn.window else lens.sum()) * kv_heads
-    call(decode_split.parallel(call, str(k_cache.dtype).removeprefix("torch."), cached))
+    call(decode_split.parallel(call, DTYPE_NAMES[k_cache.dtype], attn.cached_rows * kv_heads))

@@ -61,3 +61,14 @@ def test_buckets():
     assert [decode_split.bucket(n) for n in (1, 256, 257, 5000, 10**6)] == [
         256, 256, 512, 8192, 65536]
     assert decode_split.bucket_label(10**6) == "65536+"
+
+
+@pytest.mark.parametrize("winner,told", [(decode_split.PARALLEL, 1), (decode_split.SERIAL, 0)])
+def test_the_kernel_is_told_the_measured_split(winner, told, monkeypatch, two_threads):
+    chooser = ScriptedChooser(winner)
+    monkeypatch.setattr(decode_split.kernel_choice, "default", lambda: chooser)
+    calls: list[int] = []
+    assert decode_split.parallel(calls.append, "float32", 5000) == told
+    assert calls == [1, 0]  # the measurement ran the call both ways
+    assert decode_split.parallel(calls.append, "float32", 6000) == told  # same bucket: cached
+    assert calls == [1, 0]
