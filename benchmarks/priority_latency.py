@@ -17,13 +17,20 @@ a ZeroMQ `reconfigure`, the server and its model stay), three phases of --second
   priority_lower_tokens, switched in place: 0 = protected steps off), against the same idle
   and alone phases (neither has two priorities live, so the knob does not act in them).
 
-Between the idle and the alone phase the benchmark waits out the server's priority_hold_s
-(protected steps go on that long after the last chat), so the alone baseline runs at full
-batch.
+The alone and beside phases run over one background that runs throughout, in --cycles
+alternating windows (seconds / cycles each; mirrored order every other round: alone, beside
+| beside, alone | ...). Measured as two phases one after the other, the ratio moved with
+what the machine did in between (the background alone's rate moved by a third between runs
+on 2026-12-06) and with where the 16 streams stood in their prompt/answer cycle when
+a window began (every stream starts with its prompt at once); alternating windows over one
+steady background give both phases the same share of each. Between the idle and the
+background phases, and after each beside window, the benchmark waits out the server's
+priority_hold_s (protected steps go on that long after the last chat), so no alone window
+runs protected steps; the chats of a beside window finish before the next window begins.
 
-The background phases start measuring once every stream is producing (at most BG_READY_S
-later: the table says how many were), and count the background over exactly --seconds; the
-foreground's last chats may end after that.
+The background is measured from when every stream is producing (at most BG_READY_S
+later: the table says how many were); a window's chats may end after it, and the background
+is not counted then.
 
 Reported: the foreground's TTFT (request sent -> first content chunk) and ITL (gaps between
 content chunks) p50/p99, client side, and the background's throughput (content chunks per
@@ -44,6 +51,7 @@ import random
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvscope.benchmarks.http_bench import SseConnection
@@ -143,30 +151,92 @@ async def background_worker(url: str, load: Load, worker: int, out: Samples) -> 
 
 
 async def phase(url: str, load: Load, seconds: float, fg: bool, bg: bool) -> dict:
+    """One phase on its own (the warm-up, and the idle chat: no background)."""
     out = Samples()
     workers = [asyncio.create_task(background_worker(url, load, w, out))
                for w in range(load.bg_streams if bg else 0)]
     try:
-        deadline = time.perf_counter() + max(BG_READY_S, seconds)
-        while bg and len(out.bg_started) < load.bg_streams and time.perf_counter() < deadline:
-            await asyncio.sleep(0.05)  # every stream past its prefill: a steady background
-        producing = len(out.bg_started)
+        producing = await all_producing(load, out) if bg else None
         start = time.perf_counter()
         if fg:  # the last chats may end after the window; the background is not counted then
             await foreground(url, load, seconds, out)
         else:
             await asyncio.sleep(seconds)
-        end = start + seconds
     finally:
-        for w in workers:
-            w.cancel()
-        await asyncio.gather(*workers, return_exceptions=True)
-    chunks = sum(1 for t in out.bg_chunks if start <= t <= end)
-    return {"seconds": seconds, "bg_streams_producing": producing if bg else None,
+        await stop(workers)
+    return summary(out, [(start, start + seconds)] if bg else [], producing)
+
+
+async def all_producing(load: Load, out: Samples) -> int:
+    """Wait (at most BG_READY_S) until every background stream is past its first prefill."""
+    deadline = time.perf_counter() + BG_READY_S
+    while len(out.bg_started) < load.bg_streams and time.perf_counter() < deadline:
+        await asyncio.sleep(0.05)
+    return len(out.bg_started)
+
+
+async def stop(workers: list[asyncio.Task]) -> None:
+    for w in workers:
+        w.cancel()
+    await asyncio.gather(*workers, return_exceptions=True)
+
+
+def summary(out: Samples, windows: list[tuple[float, float]], producing: int | None) -> dict:
+    """A phase's numbers: the foreground's percentiles, the background's chunks per second
+    inside its windows (None: no background)."""
+    seconds = sum(end - start for start, end in windows)
+    chunks = sum(1 for t in out.bg_chunks for start, end in windows if start <= t <= end)
+    return {"seconds": seconds, "windows": len(windows), "bg_streams_producing": producing,
             "fg_requests": out.fg_requests,
             "ttft_p50_s": percentile(out.ttft, 0.5), "ttft_p99_s": percentile(out.ttft, 0.99),
             "itl_p50_s": percentile(out.itl, 0.5), "itl_p99_s": percentile(out.itl, 0.99),
-            "bg_tokens_per_s": chunks / seconds if bg else None}
+            "bg_tokens_per_s": chunks / seconds if windows else None}
+
+
+async def interleaved(url: str, load: Load, seconds: float, cycles: int, hold_s: float,
+                      besides: dict[str, Callable[[], None]]) -> dict[str, dict]:
+    """The background alone and beside the chat, in alternating windows over one background
+    that runs throughout: `cycles` rounds of one window each (seconds / cycles long), in
+    mirrored order every other round (alone, b1, b2 | b2, b1, alone | ...), so drift on a
+    shared machine and where the closed-loop streams are in their prompt/answer cycle hit
+    every phase alike. `besides`: each beside phase's setup (a reconfigure), run before its
+    windows. After a beside window the chats in flight finish and the server's protected
+    steps run out (`hold_s`) before the next window starts; those seconds count nowhere."""
+    bg = Samples()
+    fg = {name: Samples() for name in besides}
+    windows: dict[str, list[tuple[float, float]]] = {name: [] for name in ["alone", *besides]}
+    pre: dict[str, dict[str, float]] = {name: {} for name in windows}
+    metrics_url = url.removesuffix("/v1") + "/metrics"
+    workers = [asyncio.create_task(background_worker(url, load, w, bg))
+               for w in range(load.bg_streams)]
+    try:
+        producing = await all_producing(load, bg)
+        width = seconds / cycles
+        order = list(windows)
+        for c in range(cycles):
+            for name in order if c % 2 == 0 else order[::-1]:
+                if name in besides:
+                    besides[name]()
+                before = preemptions(metrics_url)
+                start = time.perf_counter()
+                if name == "alone":
+                    await asyncio.sleep(width)
+                else:
+                    await foreground(url, load, width, fg[name])
+                windows[name].append((start, start + width))
+                after = preemptions(metrics_url)
+                for reason, n in after.items():
+                    pre[name][reason] = pre[name].get(reason, 0.0) + n - before.get(reason, 0.0)
+                if name != "alone":
+                    await asyncio.sleep(hold_s)
+    finally:
+        await stop(workers)
+    out = {}
+    for name, spans in windows.items():
+        samples = fg.get(name, Samples())
+        samples.bg_chunks = bg.bg_chunks
+        out[name] = {**summary(samples, spans, producing), "preemptions": pre[name]}
+    return out
 
 
 def preemptions(metrics_url: str) -> dict[str, float]:
@@ -204,22 +274,19 @@ def ratios(idle: dict, alone: dict, beside: dict) -> dict:
     return {"ratios": got, "meets": meets}
 
 
-def beside_runs(client, url: str, policy: str, lower_tokens: list[int] | None, load: Load,
-                seconds: float) -> dict[str, dict]:
-    """The beside phase, once, or under "priority" once per priority_lower_tokens value."""
+def beside_setups(client, policy: str, lower_tokens: list[int] | None
+                  ) -> dict[str, Callable[[], None]]:
+    """The beside phases: one, or under "priority" one per priority_lower_tokens value (the
+    server's setting switched in place before each of its windows)."""
     if policy != "priority" or not lower_tokens:
-        log(f"{policy}: beside ({seconds:g} s)")
-        return {"beside": measured(url, load, seconds, True, True)}
-    runs = {}
-    for n in lower_tokens:
-        client.reconfigure(priority_lower_tokens=n)
-        log(f"{policy}: beside, priority_lower_tokens={n} ({seconds:g} s)")
-        runs[f"beside:{n}"] = measured(url, load, seconds, True, True)
-    return runs
+        return {"beside": lambda: None}
+    return {f"beside:{n}": (lambda n=n: client.reconfigure(priority_lower_tokens=n))
+            for n in lower_tokens}
 
 
 def bench(serve_args: list[str], policies: list[str], load: Load, seconds: float,
-          threads: int | None, lower_tokens: list[int] | None = None) -> dict:
+          threads: int | None, lower_tokens: list[int] | None = None,
+          cycles: int = 3) -> dict:
     from kvscope.ipc import EngineClient
 
     proc, command, state = start_server(["--http-port", "0", *serve_args], threads)
@@ -237,9 +304,12 @@ def bench(serve_args: list[str], policies: list[str], load: Load, seconds: float
                 runs["idle"] = measured(url, load, seconds, True, False)
                 # the alone baseline at full batch: after the hold the idle chats started
                 time.sleep(getattr(settings, "priority_hold_s", 0.0))
-                log(f"{policy}: alone ({seconds:g} s)")
-                runs["alone"] = measured(url, load, seconds, False, True)
-                runs.update(beside_runs(client, url, policy, lower_tokens, load, seconds))
+                besides = beside_setups(client, policy, lower_tokens)
+                log(f"{policy}: alone and {', '.join(besides)} in {cycles} alternating rounds "
+                    f"({seconds:g} s each)")
+                runs.update(asyncio.run(interleaved(
+                    url, load, seconds, cycles, getattr(settings, "priority_hold_s", 0.0),
+                    besides)))
                 if policy == "priority" and lower_tokens:
                     client.reconfigure(priority_lower_tokens=default_lower)
                 for name in [n for n in runs if n.startswith("beside")]:
@@ -254,7 +324,8 @@ def bench(serve_args: list[str], policies: list[str], load: Load, seconds: float
     finally:
         proc.terminate()
         proc.wait(30)
-    return {"seconds": seconds, "load": {**load.__dict__, "bg_words": list(load.bg_words)},
+    return {"seconds": seconds, "cycles": cycles,
+            "load": {**load.__dict__, "bg_words": list(load.bg_words)},
             "targets": TARGETS, "policies": out}
 
 
@@ -306,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     add_json_flag(p, "one JSON object on stdout (the table goes to stderr)")
     p.add_argument("--seconds", type=float, default=30.0,
                    help="length of each phase (three per policy; default 30)")
+    p.add_argument("--cycles", type=int, default=3,
+                   help="alternating rounds the background phases are measured in "
+                        "(alone and beside, over one running background; default 3)")
     p.add_argument("--policies", default="fcfs,priority",
                    help="comma-separated scheduling policies to compare")
     p.add_argument("--lower-tokens", default="",
@@ -323,8 +397,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="OMP_NUM_THREADS for the server (torch threads)")
     args, serve_args = p.parse_known_args(argv)
     problems = [f"--{name.replace('_', '-')} must be > 0" for name in
-                ("seconds", "fg_interval", "fg_tokens", "bg_streams", "bg_min_words",
-                 "bg_tokens") if not getattr(args, name) > 0]
+                ("seconds", "cycles", "fg_interval", "fg_tokens", "bg_streams",
+                 "bg_min_words", "bg_tokens") if not getattr(args, name) > 0]
     if args.bg_max_words < args.bg_min_words:
         problems.append("--bg-max-words must be >= --bg-min-words")
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
@@ -342,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     load = Load(args.fg_interval, args.fg_tokens, args.fg_priority, args.bg_streams,
                 (args.bg_min_words, args.bg_max_words), args.bg_tokens, args.seed)
     result = bench(serve_args, policies, load, args.seconds, args.server_threads,
-                   lower_tokens)
+                   lower_tokens, args.cycles)
     print_result(result, table, args.json, table_to_stderr=True)
     return 0
 

@@ -1,11 +1,17 @@
 """Speculative decoding from the context (issue 31): tok/s with and without drafts, by load.
 
     python -m kvscope.benchmarks.speculative [--concurrency 1,2,4,8,16] [--tokens 96]
-        [--workloads quote,code,chat] [--repeats 3] [--llama-bin DIR] [--json] [engine options]
+        [--workloads quote,summary,code,chat] [--repeats 3] [--llama-bin DIR] [--json]
+        [engine options]
 
-Workloads (greedy, chat template, `--tokens` out, EOS ignored so both sides do equal work):
-* quote: resources/spec_grounding.txt (~1.15k tokens) then "copy out paragraph N word for
-  word" (input-grounded: the reply repeats the context);
+Workloads (greedy, chat template, EOS ignored so both sides do equal work; tokens out vary
+per request over `--tokens` x (1 +- `--length-spread`), the same list for both sides):
+* quote: resources/spec_grounding.txt (~1.15k tokens) then "quote the paragraph that begins
+  '<its first six words>' word for word" (input-grounded: the reply repeats the context). The
+  embedded model does quote when the paragraph is named by its opening words; asked for "the
+  Nth paragraph" it wrote text of its own (2.4 tokens per verify, 1.28x; docs/speculative.md);
+* summary: the same text, "summarise the text above": a reply that borrows phrases, not
+  paragraphs (reported beside the quote; the targets name the quote and the code edit);
 * code: a short Python function, then an edit request (rename, add a check): the reply
   repeats the code with small changes;
 * chat: open questions, nothing to copy (the case where drafts are rare and must cost
@@ -54,8 +60,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 log = progress_logger("speculative")
 TEXT = Path(__file__).resolve().parent.parent / "resources" / "spec_grounding.txt"
 TARGETS = {"grounded_c1": 1.8, "any_c": 0.97, "vs_llama_cpp": 1.5}
-PARAGRAPHS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth",
-              "ninth", "tenth")
+OPENING_WORDS = 6  # words that name the paragraph to quote
 CODE = '''def load_orders(path):
     orders = []
     with open(path) as f:
@@ -85,6 +90,10 @@ CODE_EDITS = ("Rename the variable `orders` to `records` everywhere and show the
               "Rename `totals` to `sums` and show the whole code.",
               "Add a docstring to each function and show the whole code.",
               "Use `line.split(',', 3)` instead of `line.split(',')`; show the whole code.")
+SUMMARY_ASKS = ("Summarise the text above in a few sentences.",
+                "Summarise the history of the harbour clock told above.",
+                "Write a short summary of the text above.",
+                "Sum up the text above in one paragraph.")
 CHAT = ("What are three good habits for learning a new language?",
         "Explain why the sky is blue in simple words.",
         "Give me a short plan for a rainy Sunday.",
@@ -102,7 +111,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--concurrency", default="1,2,4,8,16")
     p.add_argument("--tokens", type=int, default=96)
-    p.add_argument("--workloads", default="quote,code,chat")
+    p.add_argument("--workloads", default="quote,summary,code,chat")
+    p.add_argument("--length-spread", type=float, default=0.5,
+                   help="tokens out vary over --tokens x (1 +- this), the same for both "
+                        "sides (0: all equal)")
     p.add_argument("--requests-per-slot", type=int, default=3,
                    help="requests per concurrency slot (c x this many in all)")
     p.add_argument("--repeats", type=int, default=3,
@@ -116,26 +128,49 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def prompts_for(workload: str, n: int) -> list[list[dict[str, str]]]:
+    text = TEXT.read_text()
     if workload == "quote":
-        text = TEXT.read_text()
-        return [[{"role": "user", "content": f"{text}\n\nCopy out the "
-                  f"{PARAGRAPHS[i % len(PARAGRAPHS)]} paragraph of the text above word for "
-                  "word."}] for i in range(n)]
+        openings = paragraph_openings(text)
+        return [[{"role": "user", "content": f"{text}\n\nQuote the paragraph that begins "
+                  f'"{openings[i % len(openings)]}" word for word.'}] for i in range(n)]
+    if workload == "summary":
+        return [[{"role": "user", "content": f"{text}\n\n{SUMMARY_ASKS[i % len(SUMMARY_ASKS)]}"}]
+                for i in range(n)]
     if workload == "code":
         return [[{"role": "user", "content": f"```python\n{CODE}```\n\n"
                   f"{CODE_EDITS[i % len(CODE_EDITS)]}"}] for i in range(n)]
     if workload == "chat":
         return [[{"role": "user", "content": CHAT[i % len(CHAT)]}] for i in range(n)]
-    raise SystemExit(f"unknown workload {workload!r}: expected quote, code or chat")
+    raise SystemExit(f"unknown workload {workload!r}: expected quote, summary, code or chat")
 
 
-def run_batch(llm, prompts: list[list[int]], tokens: int,
+def paragraph_openings(text: str) -> list[str]:
+    """The first OPENING_WORDS words of each paragraph long enough to quote (not the title)."""
+    paragraphs = [p.split() for p in text.split("\n\n")]
+    return [" ".join(words[:OPENING_WORDS]) for words in paragraphs
+            if len(words) > 2 * OPENING_WORDS]
+
+
+def output_lengths(n: int, tokens: int, spread: float) -> list[int]:
+    """Request i's tokens out: spread evenly over tokens x (1 - spread .. 1 + spread) by the
+    golden-ratio sequence, the same list for both sides. With one length for all, the
+    requests of a closed loop end in lockstep without drafts, and their successors' prompts
+    share one prefill step, while drafts scatter the ends and each prompt takes a step of its
+    own (on 2 cores a 30-token prompt step cost 80 ms, 8 of them in one step far less): a
+    difference of that artefact, not of the drafts. Served traffic has mixed lengths."""
+    golden = (5 ** 0.5 - 1) / 2
+    return [max(1, round(tokens * (1 - spread + 2 * spread * ((i * golden) % 1.0))))
+            for i in range(n)]
+
+
+def run_batch(llm, prompts: list[list[int]], tokens: int | list[int],
               concurrency: int | None = None) -> tuple[float, list[list[int]]]:
     """Wall seconds for all prompts through `concurrency` slots (all at once: None), and
-    their outputs in order: a request that ends frees its slot for the next prompt."""
+    their outputs in order: a request that ends frees its slot for the next prompt.
+    `tokens`: tokens out, for all or per prompt."""
     from kvscope.engine import SamplingParams
 
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    lengths = tokens if isinstance(tokens, list) else [tokens] * len(prompts)
     engine, slots = llm.engine, concurrency or len(prompts)
     queue = list(enumerate(prompts))
     live: dict[str, int] = {}
@@ -144,6 +179,7 @@ def run_batch(llm, prompts: list[list[int]], tokens: int,
     while queue or live:
         while queue and len(live) < slots:
             i, prompt = queue.pop(0)
+            params = SamplingParams(max_tokens=lengths[i], ignore_eos=True)
             live[engine.add_request(prompt, params)] = i
         for delta in engine.step().outputs:
             if delta.finished:
@@ -173,7 +209,8 @@ def run(args: argparse.Namespace) -> dict:
     engines = {"off": LLM(plain_config, loaded), "on": LLM(spec_config, loaded)}
     tok = loaded.tokenizer
     torch.manual_seed(0)
-    results: dict = {"tokens": args.tokens, "requests_per_slot": args.requests_per_slot,
+    results: dict = {"tokens": args.tokens, "length_spread": args.length_spread,
+                     "requests_per_slot": args.requests_per_slot,
                      "workloads": {},
                      "spec_config": {k: getattr(spec_config, k) for k in (
                          "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")}}
@@ -183,6 +220,7 @@ def run(args: argparse.Namespace) -> dict:
         for c in levels:
             n = c * args.requests_per_slot
             prompts = [template(tok, m) for m in prompts_for(workload, n)]
+            lengths = output_lengths(n, args.tokens, args.length_spread)
             row: dict = {"concurrency": c, "requests": n}
             outputs: dict[str, list[list[int]]] = {}
             for llm in engines.values():
@@ -192,10 +230,10 @@ def run(args: argparse.Namespace) -> dict:
             drafts, accepted = before.num_drafts, before.num_accepted_tokens
             for _ in range(args.repeats):  # alternating, so drift hits both sides alike
                 for mode, llm in engines.items():
-                    seconds, outputs[mode] = run_batch(llm, prompts, args.tokens, c)
+                    seconds, outputs[mode] = run_batch(llm, prompts, lengths, c)
                     best[mode] = min(best[mode], seconds)
             for mode, seconds in best.items():
-                row[f"tok_s_{mode}"] = n * args.tokens / seconds
+                row[f"tok_s_{mode}"] = sum(lengths) / seconds
             after = engines["on"].engine.spec.counters
             d = after.num_drafts - drafts
             row["acceptance_length"] = 1 + (after.num_accepted_tokens - accepted) / d if d else 0.0
@@ -232,7 +270,8 @@ def llama_cpp(args: argparse.Namespace, depth: int) -> dict | None:
 
 
 def table(r: dict) -> str:
-    lines = [f"{r['tokens']} tokens out per request, greedy, c slots, "
+    lines = [f"{r['tokens']} tokens out per request (x 1 +- {r.get('length_spread', 0)}), "
+             f"greedy, c slots, "
              f"{r.get('requests_per_slot', 1)} requests a slot; speculation "
              f"{r['spec_config']} with back-off",
              f"{'workload':<8} {'c':>3} {'off tok/s':>10} {'on tok/s':>10} {'speedup':>8} "

@@ -12,13 +12,25 @@ Two things decide whether a request's drafts pay, and they vary on different sca
   in an open chat no one's drafts pay at 4 streams, and without that prior each new request
   paid for one losing verify (more at 16 streams, where requests come and go often).
 
+What a draft brings also shows before it is verified: the length of the suffix n-gram it
+follows. A request that paraphrased its first words and missed its first verify often copies
+a paragraph a few tokens later, and a 4-gram found in the context then says so before its
+own average can (the quote benchmark's requests waited 16 plain steps for their next probe
+and drafted at full acceptance from then on). So the engine also keeps the mean tokens per
+verify of recent drafts by match length, over every request, and a request drafts when
+either its own estimate or its current match length's clears the bar; a workload whose long
+matches are not copied on (an open chat) teaches that just as fast.
+
 A request drafts when its drafts are expected to bring more tokens than the plain steps
 could make in the seconds they cost: 1 + accepted >= 1 + extra seconds x (batch size /
 plain step seconds). Before a bucket has been measured both ways every request drafts,
 then a few steps run plain; afterwards every 16th step runs plain (the plain side follows
-the load), and a request whose drafts stopped paying drafts again after 16 steps without,
-so its estimate follows its reply; after 32, 64, then 128 steps while its probes keep not
-paying. Where the bar is above what any verify can bring (1 + K tokens), no request
+the load), and a request whose drafts stopped paying drafts again after W steps without,
+so its estimate follows its reply; after 2W, 4W, then 8W steps while its probes keep not
+paying. W is 16, or more where a verify costs more plain tokens: long enough that such
+probes cost at most 2 % of the batch's tokens (at 2 and 4 streams on the AMX Xeon with the
+one-region step, a failed probe cost 0.8 and 0.7 of a plain step's seconds, and probes every
+16 steps cost an open chat and a summary 4-7 % of their throughput). Where the bar is above what any verify can bring (1 + K tokens), no request
 drafts, not even to probe: at 8 streams on a 2-core CPU one verify cost a whole plain step,
 and two probes per request cost an open chat a fifth of its throughput. Every
 REFRESH_EVERY-th step of such a bucket lets the requests draft once, so its costs follow the
@@ -26,6 +38,7 @@ load. A step in which no request drafts is a plain step.
 """
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -36,6 +49,8 @@ ACCEPT_ALPHA = 0.3  # weight of a request's newest verify in its acceptance aver
 MAX_PROBE_DOUBLINGS = 3  # a request that keeps not paying probes every 16, 32, 64, 128 steps
 REFRESH_EVERY = 256  # steps of a bucket whose bar no verify can reach, per drafting step
 PRIOR_WINDOW = 16  # recent requests whose first verify is a new request's prior
+PROBE_LOSS = 0.02  # the share of a batch's tokens that probes which find nothing may cost
+MATCH_WINDOW = 32  # recent verifies per match length whose mean is that length's estimate
 
 
 @dataclass(slots=True)
@@ -89,11 +104,13 @@ class BackOff:
     enabled: bool = True
     probe_plain_every: int = 16
     probe_request_every: int = 16
+    probe_loss: float = PROBE_LOSS
     plain: dict[int, Rate] = field(default_factory=dict)  # tokens: emitted per step
     spec: dict[int, Rate] = field(default_factory=dict)  # tokens: requests that drafted
     _steps: dict[int, int] = field(default_factory=dict)
     _first_verifies: deque[float] = field(
         default_factory=lambda: deque(maxlen=PRIOR_WINDOW))
+    _by_match: dict[int, deque[float]] = field(default_factory=dict)
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -124,11 +141,13 @@ class BackOff:
         extra = max(0.0, spec.seconds - plain.seconds) / spec.tokens
         return 1.0 + extra * batch_size / plain.seconds
 
-    def pays(self, batch_size: int, acceptance: Acceptance, most: float | None = None) -> bool:
+    def pays(self, batch_size: int, acceptance: Acceptance, most: float | None = None,
+             match: int = 0) -> bool:
         """Whether this request drafts in this step; counts the steps it waits. A request
         whose probes keep not paying waits twice as long before each next one: at 16 streams
         a probe every 16 steps each is a drafting request in nearly every step. `most`: the
-        tokens a verify can bring at best (1 + K); above it the bar is out of anyone's reach."""
+        tokens a verify can bring at best (1 + K); above it the bar is out of anyone's reach.
+        `match`: the length of the n-gram its draft follows this step (0: none)."""
         if not self.enabled:
             return True
         limit = self.threshold(batch_size)
@@ -141,12 +160,23 @@ class BackOff:
         if limit is None or got is None or got >= limit:
             acceptance.failed_probes, acceptance.probing = 0, False
             return True
-        wait = self.probe_request_every << min(acceptance.failed_probes, MAX_PROBE_DOUBLINGS)
+        by_match = self.match_estimate(match)
+        if by_match is not None and by_match >= limit:
+            return True  # not a probe: its own estimate follows from this verify on
+        wait = self.probe_wait(limit) << min(acceptance.failed_probes, MAX_PROBE_DOUBLINGS)
         if acceptance.waited + 1 >= wait:  # due until it verifies (no n-gram match: no draft)
             acceptance.probing = True
             return True
         acceptance.waited += 1
         return False
+
+    def probe_wait(self, limit: float) -> int:
+        """Steps a request whose drafts do not pay waits before its next probe: at least
+        probe_request_every, and long enough that such probes cost at most probe_loss of the
+        batch's tokens. One failed probe costs its verify's extra seconds, limit - 1 plain
+        tokens of the whole batch; every request probing once per W steps is one probe per
+        W / batch steps, of a step's batch tokens: a share of (limit - 1) / W."""
+        return max(self.probe_request_every, math.ceil((limit - 1.0) / self.probe_loss))
 
     def prior(self) -> float | None:
         """A new request's expected tokens per verify: the median of recent requests' first
@@ -155,6 +185,19 @@ class BackOff:
         if len(self._first_verifies) < MIN_SAMPLES:
             return None
         return statistics.median(self._first_verifies)
+
+    def match_estimate(self, match: int) -> float | None:
+        """Mean tokens per verify of recent drafts that followed a match of this length;
+        None for no match or before MIN_SAMPLES of them."""
+        got = self._by_match.get(match) if match else None
+        if got is None or len(got) < MIN_SAMPLES:
+            return None
+        return sum(got) / len(got)
+
+    def match_verified(self, match: int, tokens: int) -> None:
+        """A draft that followed a match of this length brought `tokens` (1 + accepted)."""
+        if match:
+            self._by_match.setdefault(match, deque(maxlen=MATCH_WINDOW)).append(float(tokens))
 
     def first_verified(self, tokens: int) -> None:
         """A request's first verify brought `tokens` (1 + accepted drafts)."""
@@ -179,4 +222,6 @@ class BackOff:
                            "draft_step_ms": spec.seconds * 1e3 if spec else None,
                            "drafting_requests": spec.tokens if spec else None,
                            "threshold": self.threshold(b)}
+        for n in sorted(self._by_match):
+            out[f"match{n}"] = {"tokens_per_verify": self.match_estimate(n)}
         return out

@@ -17,16 +17,23 @@ TokenArray = npt.NDArray[np.int64]
 
 def propose(tokens: TokenArray, min_n: int, max_n: int, k: int) -> list[int]:
     """Up to k drafted tokens following the longest earlier match of tokens' suffix."""
+    return propose_matched(tokens, min_n, max_n, k)[0]
+
+
+def propose_matched(tokens: TokenArray, min_n: int, max_n: int,
+                    k: int) -> tuple[list[int], int]:
+    """The draft, and the length of the suffix n-gram it follows (0: no draft). A longer
+    match is likelier to be copied on (engine.spec_backoff keeps tokens per verify by it)."""
     length = len(tokens)
     if k < 1 or length < min_n + 1:
-        return []
+        return [], 0
     # Candidates j: tokens[j] == tokens[-1], j < length - 1, so at least one token follows.
     cand = np.flatnonzero(tokens[:length - 1] == tokens[length - 1])
-    best = -1
+    best, best_n = -1, 0
     n = 1
     while len(cand):
         if n >= min_n:
-            best = int(cand[0])  # the earliest occurrence of the longest match so far
+            best, best_n = int(cand[0]), n  # the earliest occurrence of the longest match
         if n == max_n:
             break
         # Extend every surviving match one token further back.
@@ -34,9 +41,9 @@ def propose(tokens: TokenArray, min_n: int, max_n: int, k: int) -> list[int]:
         cand = cand[tokens[cand - n] == tokens[length - 1 - n]]
         n += 1
     if best < 0:
-        return []
+        return [], 0
     draft: list[int] = tokens[best + 1:best + 1 + k].tolist()
-    return draft
+    return draft, best_n
 
 
 class TokenBuffer:

@@ -39,6 +39,9 @@ def test_a_short_run_reports_each_phase_of_each_policy(model, capsys):
             assert 0 < p["ttft_p50_s"] <= p["ttft_p99_s"]
             assert 0 <= p["itl_p50_s"] <= p["itl_p99_s"]
         assert idle["bg_tokens_per_s"] is None and alone["fg_requests"] == 0
+        # the background phases alternate over one background: 3 windows each by default
+        assert alone["windows"] == beside["windows"] == r["cycles"] == 3
+        assert alone["seconds"] == pytest.approx(1.5) == beside["seconds"]
         assert alone["bg_tokens_per_s"] > 0 and beside["bg_tokens_per_s"] > 0
         assert set(beside["preemptions"]) == {"memory", "priority"}
         assert set(runs["ratios"]) == set(bench.TARGETS) == set(runs["meets"])

@@ -11,6 +11,12 @@ def test_workloads_are_input_grounded_and_distinct():
     assert len({m[0]["content"] for m in quote}) == 3
     assert all(m[0]["content"].startswith(TEXT.read_text()) for m in quote)  # shared prefix
     assert len(TEXT.read_text().split()) > 800  # ~1k tokens
+    for m in quote:  # the paragraph is named by words that open one in the text
+        opening = m[0]["content"].rsplit('begins "', 1)[1].split('"')[0]
+        assert len(opening.split()) == 6 and f"\n\n{opening}" in TEXT.read_text()
+    summary = prompts_for("summary", 2)
+    assert len({m[0]["content"] for m in summary}) == 2
+    assert all(m[0]["content"].startswith(TEXT.read_text()) for m in summary)
     assert "def load_orders" in prompts_for("code", 1)[0][0]["content"]
     with pytest.raises(SystemExit, match="unknown workload"):
         prompts_for("poetry", 1)

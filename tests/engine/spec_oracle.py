@@ -30,3 +30,9 @@ class Oracle:
                 wrong = self.rng.random(len(draft)) < self.error_rate
                 return [(t + 1) % self.vocab if w else t for t, w in zip(draft, wrong, strict=True)]
         return []
+
+    def matched(self, tokens: np.ndarray, min_n: int, max_n: int,
+                k: int) -> tuple[list[int], int]:
+        """As engine.spec_ngram.propose_matched: the draft and a match length (max_n)."""
+        draft = self(tokens, min_n, max_n, k)
+        return draft, max_n if draft else 0

@@ -9,8 +9,11 @@ import pytest
 from kvscope.engine.spec_backoff import MIN_SAMPLES, Acceptance, BackOff
 
 
-def measured(plain_s: float, draft_s: float, drafting: int, batch: int = 1) -> BackOff:
-    b = BackOff()
+def measured(plain_s: float, draft_s: float, drafting: int, batch: int = 1,
+             probe_loss: float = 1.0) -> BackOff:
+    """A bucket measured both ways. probe_loss 1.0: probes every 16 steps whatever they cost
+    (the tests of the probe schedule); the default share is tested on its own."""
+    b = BackOff(probe_loss=probe_loss)
     for _ in range(MIN_SAMPLES):
         b.record(batch, 0, batch, plain_s)
         b.record(batch, drafting, batch + drafting, draft_s)
@@ -176,3 +179,43 @@ def test_where_no_verify_can_reach_the_bar_nobody_drafts_not_even_to_probe():
     reachable = measured(0.020, 0.032, 1)
     assert reachable.pays(1, Acceptance(2.0), most=5.0)
     assert not reachable.pays(1, Acceptance(1.2), most=5.0)
+
+
+def test_a_long_match_drafts_for_a_request_whose_own_estimate_is_below_the_bar():
+    """A quote's first verify often misses (the reply's opening words), yet a few tokens on
+    its suffix is a 4-gram of the paragraph it copies: the mean tokens per verify of recent
+    drafts after such a match says so before the request's own average can."""
+    b = measured(0.020, 0.032, 1)  # threshold 1.6
+    missed_once = Acceptance(1.0)
+    assert not b.pays(1, missed_once, 5.0, match=4)  # no match statistics yet
+    for tokens in (5, 5, 4, 5):
+        b.match_verified(4, tokens)
+    for tokens in (1, 1, 2, 1):  # short matches were mostly wrong
+        b.match_verified(2, tokens)
+    assert b.match_estimate(4) == pytest.approx(4.75) and b.match_estimate(2) == 1.25
+    assert b.pays(1, missed_once, 5.0, match=4)
+    assert not b.pays(1, missed_once, 5.0, match=2)
+    assert not b.pays(1, missed_once, 5.0, match=0)  # no draft this step
+    assert missed_once.waited == 3 and not missed_once.probing  # the match was no probe
+    # where long matches are not copied on either (an open chat), they teach that too
+    for _ in range(32):
+        b.match_verified(4, 1)
+    assert b.match_estimate(4) == 1.0 and not b.pays(1, missed_once, 5.0, match=4)
+
+
+def test_probes_wait_long_enough_to_cost_at_most_two_percent_of_the_batch():
+    """A failed probe costs threshold - 1 plain tokens of the batch; one per request every W
+    steps costs (threshold - 1) / W of them."""
+    from kvscope.engine.spec_backoff import PROBE_LOSS
+
+    assert PROBE_LOSS == 0.02
+    cheap = measured(0.020, 0.0203, 1, probe_loss=PROBE_LOSS)  # threshold 1.015
+    assert cheap.probe_wait(cheap.threshold(1)) == 16  # never more often than 16 steps
+    # 2 streams, a 6.5 ms step, a verify 5 ms more: threshold 2.54; 77 steps between probes
+    b = measured(0.0065, 0.0115, 1, batch=2, probe_loss=PROBE_LOSS)
+    limit = b.threshold(2)
+    assert limit == pytest.approx(1 + 0.005 * 2 / 0.0065)
+    assert b.probe_wait(limit) == 77
+    paraphrasing = Acceptance(1.5)
+    assert [b.pays(2, paraphrasing) for _ in range(77)].count(True) == 1
+    assert paraphrasing.probing

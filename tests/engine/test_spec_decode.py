@@ -66,7 +66,7 @@ def test_greedy_with_drafts_equals_greedy_without(tiny, block_size, monkeypatch)
                   max_num_batched_tokens=48)
     refs, ref_outs = references(tiny, prompts, params, **config)
     oracle = Oracle(refs, VOCAB)
-    monkeypatch.setattr(spec_decode, "propose", oracle)
+    monkeypatch.setattr(spec_decode, "propose_matched", oracle.matched)
     llm, outs = run(tiny, prompts, params, speculative_method="ngram",
                     num_speculative_tokens=5, **config)
     assert_same(outs, ref_outs)
@@ -99,7 +99,7 @@ def test_preemption_with_drafts_keeps_outputs_exact(tiny, monkeypatch):
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     config = dict(block_size=4, num_kv_blocks=26, max_num_batched_tokens=64)
     refs, ref_outs = references(tiny, prompts, params, **config)
-    monkeypatch.setattr(spec_decode, "propose", Oracle(refs, VOCAB, error_rate=0.2))
+    monkeypatch.setattr(spec_decode, "propose_matched", Oracle(refs, VOCAB, error_rate=0.2).matched)
     llm, outs = run(tiny, prompts, params, speculative_method="ngram", **config)
     assert llm.stats().num_preemptions > 0
     assert_same(outs, ref_outs)
@@ -115,7 +115,8 @@ def test_max_tokens_inside_an_accepted_run(tiny, max_tokens, monkeypatch):
     long_refs, _ = references(tiny, prompts, SamplingParams(max_tokens=30, ignore_eos=True),
                               block_size=4, num_kv_blocks=64)
     # Perfect drafts, longer than what is left: a run always crosses max_tokens.
-    monkeypatch.setattr(spec_decode, "propose", Oracle(long_refs, VOCAB, error_rate=0.0))
+    monkeypatch.setattr(spec_decode, "propose_matched",
+                        Oracle(long_refs, VOCAB, error_rate=0.0).matched)
     llm, outs = run(tiny, prompts, params, block_size=4, num_kv_blocks=64,
                     speculative_method="ngram", num_speculative_tokens=8)
     assert_same(outs, ref_outs)
@@ -128,7 +129,8 @@ def test_stop_token_and_stop_string_inside_an_accepted_run(tiny, monkeypatch):
     long_refs, long_outs = references(tiny, prompts, SamplingParams(max_tokens=30,
                                                                     ignore_eos=True))
     ids = long_outs[0].token_ids
-    monkeypatch.setattr(spec_decode, "propose", Oracle(long_refs, VOCAB, error_rate=0.0))
+    monkeypatch.setattr(spec_decode, "propose_matched",
+                        Oracle(long_refs, VOCAB, error_rate=0.0).matched)
     text = long_outs[0].text
     stop = text[len(text) // 2:len(text) // 2 + 2].strip() or text[-2:]
     for params in (SamplingParams(max_tokens=30, stop_token_ids=[ids[9]]),
@@ -150,7 +152,7 @@ def test_prefix_cache_registers_only_accepted_tokens(tiny, monkeypatch):
     refs, ref_first = references(tiny, [first], params, **config)
     second = first + ref_first[0].token_ids[:30]
     refs2, ref_second = references(tiny, [second], params, **config)
-    monkeypatch.setattr(spec_decode, "propose", Oracle({**refs, **refs2}, VOCAB))
+    monkeypatch.setattr(spec_decode, "propose_matched", Oracle({**refs, **refs2}, VOCAB).matched)
     llm = LLM(EngineConfig(model=tiny, speculative_method="ngram", **config))
     out1 = llm.generate([first], params)
     out2 = llm.generate([second], params)
@@ -169,7 +171,7 @@ def test_abort_storm_with_drafts_leaks_no_block(tiny, monkeypatch):
     prompts = prompts_of([7, 19, 33, 4, 25, 12, 40, 9], seed=1)
     params = SamplingParams(max_tokens=50, ignore_eos=True)
     refs, _ = references(tiny, prompts, params, block_size=4, num_kv_blocks=512)
-    monkeypatch.setattr(spec_decode, "propose", Oracle(refs, VOCAB))
+    monkeypatch.setattr(spec_decode, "propose_matched", Oracle(refs, VOCAB).matched)
     llm = LLM(EngineConfig(model=tiny, block_size=4, num_kv_blocks=120,
                            speculative_method="ngram", num_speculative_tokens=6))
     engine, rng = llm.engine, random.Random(0)
@@ -204,3 +206,33 @@ def test_reconfigure_turns_speculation_on_in_place(tiny):
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         llm.engine.reconfigure(num_speculative_tokens=0)
     assert llm.engine.spec.k == 3
+
+
+def test_a_step_that_carries_a_prompt_chunk_drafts_nothing(tiny, monkeypatch):
+    """The back-off measures drafts in pure decode steps; beside a prompt chunk the step
+    takes another path, so no one drafts there, and drafting resumes once the chunk is in."""
+    first, second = prompts_of([9, 100], seed=4)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    # room for drafts beside each chunk: 64 a step, prompt chunks of 32 while decodes run
+    config = dict(block_size=4, num_kv_blocks=256, max_num_batched_tokens=64,
+                  max_prefill_tokens_while_decoding=32)
+    refs, ref_outs = references(tiny, [first, second], params, **config)
+    monkeypatch.setattr(spec_decode, "propose_matched", Oracle(refs, VOCAB).matched)
+    llm = LLM(EngineConfig(model=tiny, speculative_method="ngram", **config))
+    engine = llm.engine
+    a = engine.add_request(first, params)
+    engine.step()  # its prompt
+    engine.step()
+    assert [v.request_id for v in engine.spec.last_step] == [a]  # a decode step drafts
+    b = engine.add_request(second, params)
+    chunk_steps = 0
+    while engine.requests[b].num_computed_tokens < len(second):
+        engine.step()
+        chunk_steps += 1
+        assert engine.spec.last_step == []
+    assert chunk_steps >= 3  # 100 prompt tokens at most 32 a step
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.spec.counters.num_drafts > 2
+    assert [engine.pop_output(r).token_ids for r in (a, b)] == [o.token_ids for o in ref_outs]
+    assert_no_block_held(llm)

@@ -9,18 +9,23 @@ import pytest
 from kvscope.engine.cli.options import engine_config_from_args, parse_speculative_config
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.sampling_params import SamplingParams
-from kvscope.engine.spec_ngram import TokenBuffer, propose
+from kvscope.engine.spec_ngram import TokenBuffer, propose, propose_matched
 
 
 def brute_force(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
     """Longest n in max..min whose suffix occurs earlier; its earliest occurrence."""
+    return brute_force_matched(tokens, min_n, max_n, k)[0]
+
+
+def brute_force_matched(tokens: list[int], min_n: int, max_n: int,
+                        k: int) -> tuple[list[int], int]:
     L = len(tokens)
     for n in range(min(max_n, L - 1), min_n - 1, -1):
         suffix = tokens[L - n:]
         for start in range(0, L - n):  # occurrences ending before the last token
             if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + k]
-    return []
+                return tokens[start + n:start + n + k], n
+    return [], 0
 
 
 @pytest.mark.parametrize("vocab", [2, 3, 8])
@@ -33,6 +38,8 @@ def test_proposer_matches_brute_force(vocab):
         k = int(rng.integers(1, 6))
         got = propose(np.array(tokens, dtype=np.int64), min_n, max_n, k)
         assert got == brute_force(tokens, min_n, max_n, k), (tokens, min_n, max_n, k)
+        matched = propose_matched(np.array(tokens, dtype=np.int64), min_n, max_n, k)
+        assert matched == brute_force_matched(tokens, min_n, max_n, k)
 
 
 def test_proposer_examples():
@@ -40,6 +47,8 @@ def test_proposer_examples():
     assert propose(t, 2, 4, 3) == [8, 9, 1]  # suffix (6, 7) seen at 1
     assert propose(t, 3, 4, 3) == []  # (1, 6, 7) never seen before: no draft
     assert propose(np.array([1, 2, 3], dtype=np.int64), 1, 3, 4) == []
+    assert propose_matched(t, 2, 4, 3) == ([8, 9, 1], 2)
+    assert propose_matched(t, 3, 4, 3) == ([], 0)
 
 
 def test_token_buffer_grows_with_the_list():

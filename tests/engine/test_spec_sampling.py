@@ -106,7 +106,8 @@ def test_engine_sampled_output_distribution_unchanged(tmp_path, monkeypatch, one
         logits = hf(ids).logits[0, -1:].float()
     p1 = target_probs(logits, params[0])[0]
     draft_token = int(p1.argsort()[-2])
-    monkeypatch.setattr(spec_decode, "propose", lambda t, lo, hi, k: [draft_token] * k)
+    monkeypatch.setattr(spec_decode, "propose_matched",
+                        lambda t, lo, hi, k: ([draft_token] * k, hi))
     spec = LLM(EngineConfig(model=path, block_size=4, num_kv_blocks=2048, max_num_seqs=256,
                             max_num_batched_tokens=4096, speculative_method="ngram"))
     outs = spec.generate([prompt] * len(params), params)
