@@ -31,10 +31,10 @@ paying. W is 16, or more where a verify costs more plain tokens: long enough tha
 probes cost at most 2 % of the batch's tokens (at 2 and 4 streams on the AMX Xeon with the
 one-region step, a failed probe cost 0.8 and 0.7 of a plain step's seconds, and probes every
 16 steps cost an open chat and a summary 4-7 % of their throughput). Where the bar is above
-what any verify can bring (1 + K tokens), no request drafts, not even to probe: at 8 streams on a 2-core CPU one verify cost a whole plain step,
-and two probes per request cost an open chat a fifth of its throughput. Every
-REFRESH_EVERY-th step of such a bucket lets the requests draft once, so its costs follow the
-load. A step in which no request drafts is a plain step.
+what any verify can bring (1 + K tokens), no request drafts, not even to probe: at 8
+streams on a 2-core CPU one verify cost a whole plain step, and two probes per request cost
+an open chat a fifth of its throughput. Every REFRESH_EVERY-th step of such a bucket lets
+the requests draft once, so its costs follow the load. A step in which no request drafts is a plain step.
 """
 from __future__ import annotations
 

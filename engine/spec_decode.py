@@ -5,8 +5,9 @@ The engine's step calls three hooks (engine.llm_engine):
   it gets up to K tokens from engine.spec_ngram, appended to its token_ids for the step's
   forward; its scheduled item grows by them (they count against what is left of the step's
   token budget) and its block table grows by the blocks they need (truly free ones only: a
-  draft never preempts anyone nor evicts the prefix cache). The model runner returns the logits at every drafted
-  position; a row of K + 1 queries with past context is a prefill chunk to the attention.
+  draft never preempts anyone nor evicts the prefix cache). The model runner returns the
+  logits at every drafted position; a row of K + 1 queries with past context is a prefill
+  chunk to the attention.
 - `verify(engine, logits, sampling)` instead of the plain sample: engine.spec_verify accepts
   a prefix of each draft; the drafts leave token_ids, the accepted tokens and the bonus are
   appended one by one through the engine's ordinary path (stops, max_tokens and stop strings
