@@ -34,7 +34,8 @@ one-region step, a failed probe cost 0.8 and 0.7 of a plain step's seconds, and 
 what any verify can bring (1 + K tokens), no request drafts, not even to probe: at 8
 streams on a 2-core CPU one verify cost a whole plain step, and two probes per request cost
 an open chat a fifth of its throughput. Every REFRESH_EVERY-th step of such a bucket lets
-the requests draft once, so its costs follow the load. A step in which no request drafts is a plain step.
+the requests draft once, so its costs follow the load. A step in which no request drafts is
+a plain step.
 """
 from __future__ import annotations
 
