@@ -343,7 +343,8 @@ def table(result: dict) -> str:
     lines = [f"foreground: a chat every {load['fg_interval']} s, {load['fg_tokens']} tokens, "
              f"priority {load['fg_priority']}; background: {load['bg_streams']} streams, "
              f"{load['bg_words'][0]}-{load['bg_words'][1]} words, {load['bg_tokens']} tokens; "
-             f"{result['seconds']:g} s per phase",
+             f"{result['seconds']:g} s per phase (the background's in "
+             f"{result.get('cycles', 1)} alternating windows)",
              f"{'policy':12s}{'phase':8s}{'TTFT p50':>9s}{'p99':>7s}{'ITL p50':>9s}{'p99':>7s}"
              f"{'bg tok/s':>10s}{'fg reqs':>9s}  preemptions (memory/priority)  bg streams "
              f"producing at the start"]

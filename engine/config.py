@@ -54,7 +54,8 @@ DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING = 32
 # tokens of less urgent work (round-robin); 0 = off. 8 by default, measured beside 16
 # background streams over the OpenAI API (benchmarks/priority_latency.py, 60 s phases,
 # 2026-12-06): the chat's TTFT p99 243 -> 74 ms and ITL p99 139 -> 28 ms (1.66x idle), for
-# 1-3 % of the background's throughput (105.3 against 108.2 tok/s). It used to cost the
+# 1-3 % of the background's throughput (105.3 against 108.2 tok/s; measured in alternating
+# windows later that day, 7 %: 0.83x -> 0.76x of the background alone). It used to cost the
 # background 0.3-0.6x, while float32 KV left its prompts short of memory.
 DEFAULT_PRIORITY_LOWER_TOKENS = 8
 DEFAULT_PRIORITY_HOLD_S = 5.0
