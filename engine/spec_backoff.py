@@ -18,7 +18,8 @@ a paragraph a few tokens later, and a 4-gram found in the context then says so b
 own average can (the quote benchmark's requests waited 16 plain steps for their next probe
 and drafted at full acceptance from then on). So the engine also keeps the mean tokens per
 verify of recent drafts by match length, over every request, and a request drafts when
-either its own estimate or its current match length's clears the bar; a workload whose long
+either its own estimate or its current match length's clears the bar (the decoder passes
+only matches of prompt_lookup_max tokens: shorter ones turn up in any reply); a workload whose long
 matches are not copied on (an open chat) teaches that just as fast.
 
 A request drafts when its drafts are expected to bring more tokens than the plain steps

@@ -136,8 +136,11 @@ class SpecDecoder:
                 continue
             draft, match = propose_matched(self._buffer(seq).view(seq.token_ids),
                                            self.min_n, self.max_n, k)
+            # Only a match as long as the proposer looks for is evidence of copying: 2-grams
+            # turn up in any chat, and theirs brought 1.7 tokens a verify against 4.2.
+            strong = match if draft and match == self.max_n else 0
             if not self.backoff.pays(len(batch), self._acceptance_of(seq), 1.0 + self.k,
-                                     match if draft else 0):
+                                     strong):
                 continue
             room = (len(seq.block_table) + free) * bs - n  # slots without taking cached blocks
             del draft[max(0, room):]

@@ -236,3 +236,24 @@ def test_a_step_that_carries_a_prompt_chunk_drafts_nothing(tiny, monkeypatch):
     assert engine.spec.counters.num_drafts > 2
     assert [engine.pop_output(r).token_ids for r in (a, b)] == [o.token_ids for o in ref_outs]
     assert_no_block_held(llm)
+
+
+def test_only_a_match_of_the_longest_length_is_evidence_for_the_back_off(tiny, monkeypatch):
+    """A 2-gram turns up in any reply; only a match of prompt_lookup_max tokens is passed to
+    the back-off as a sign that the reply copies (engine/spec_backoff.py)."""
+    from kvscope.engine.spec_backoff import BackOff
+
+    lengths = iter([2, 3, 4] * 100)
+    monkeypatch.setattr(spec_decode, "propose_matched",
+                        lambda t, lo, hi, k: ([int(t[-1])] * k, next(lengths)))
+    told: list[int] = []
+    pays = BackOff.pays
+
+    def spy(self, batch_size, acceptance, most=None, match=0):
+        told.append(match)
+        return pays(self, batch_size, acceptance, most, match)
+
+    monkeypatch.setattr(BackOff, "pays", spy)
+    run(tiny, prompts_of([6]), SamplingParams(max_tokens=12, ignore_eos=True),
+        speculative_method="ngram", prompt_lookup_min=2, prompt_lookup_max=4)
+    assert told and set(told) == {0, 4}
