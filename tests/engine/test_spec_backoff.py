@@ -187,20 +187,37 @@ def test_a_long_match_drafts_for_a_request_whose_own_estimate_is_below_the_bar()
     drafts after such a match says so before the request's own average can."""
     b = measured(0.020, 0.032, 1)  # threshold 1.6
     missed_once = Acceptance(1.0)
-    assert not b.pays(1, missed_once, 5.0, match=4)  # no match statistics yet
+    assert not b.pays(1, missed_once, 5.0, match=4, longest=True)  # no statistics yet
     for tokens in (5, 5, 4, 5):
         b.match_verified(4, tokens)
     for tokens in (1, 1, 2, 1):  # short matches were mostly wrong
         b.match_verified(2, tokens)
     assert b.match_estimate(4) == pytest.approx(4.75) and b.match_estimate(2) == 1.25
-    assert b.pays(1, missed_once, 5.0, match=4)
+    assert b.pays(1, missed_once, 5.0, match=4, longest=True)
+    assert not b.pays(1, missed_once, 5.0, match=4)  # not the proposer's longest: no evidence
     assert not b.pays(1, missed_once, 5.0, match=2)
     assert not b.pays(1, missed_once, 5.0, match=0)  # no draft this step
-    assert missed_once.waited == 3 and not missed_once.probing  # the match was no probe
+    assert missed_once.waited == 4 and not missed_once.probing  # the match was no probe
     # where long matches are not copied on either (an open chat), they teach that too
     for _ in range(32):
         b.match_verified(4, 1)
-    assert b.match_estimate(4) == 1.0 and not b.pays(1, missed_once, 5.0, match=4)
+    assert b.match_estimate(4) == 1.0 and not b.pays(1, missed_once, 5.0, 4, longest=True)
+
+
+def test_a_request_whose_long_match_draft_missed_whole_drafts_by_its_own_estimate_again():
+    """The match estimates are every request's: after a code edit, an open chat's 4-grams
+    would draft at the code's rate. One whole miss ends that for the request."""
+    b = measured(0.020, 0.032, 1)  # threshold 1.6
+    for tokens in (5, 4, 5, 5):
+        b.match_verified(4, tokens)
+    chat, quote = Acceptance(1.0), Acceptance(1.0)
+    assert b.pays(1, chat, 5.0, match=4, longest=True) and chat.by_match
+    chat.verified(1)  # rejected whole
+    assert chat.match_missed and not chat.by_match
+    assert not b.pays(1, chat, 5.0, match=4, longest=True)
+    assert b.pays(1, quote, 5.0, match=4, longest=True)
+    quote.verified(3)  # part of it was copied: the match still speaks for it
+    assert not quote.match_missed and b.pays(1, quote, 5.0, match=4, longest=True)
 
 
 def test_probes_wait_long_enough_to_cost_at_most_two_percent_of_the_batch():

@@ -238,9 +238,9 @@ def test_a_step_that_carries_a_prompt_chunk_drafts_nothing(tiny, monkeypatch):
     assert_no_block_held(llm)
 
 
-def test_only_a_match_of_the_longest_length_is_evidence_for_the_back_off(tiny, monkeypatch):
-    """A 2-gram turns up in any reply; only a match of prompt_lookup_max tokens is passed to
-    the back-off as a sign that the reply copies (engine/spec_backoff.py)."""
+def test_the_back_off_is_told_the_match_and_whether_it_is_the_longest(tiny, monkeypatch):
+    """A 2-gram turns up in any reply; only a match of prompt_lookup_max tokens speaks for a
+    request whose own drafts did not pay (engine/spec_backoff.py)."""
     from kvscope.engine.spec_backoff import BackOff
 
     lengths = iter([2, 3, 4] * 100)
@@ -249,11 +249,11 @@ def test_only_a_match_of_the_longest_length_is_evidence_for_the_back_off(tiny, m
     told: list[int] = []
     pays = BackOff.pays
 
-    def spy(self, batch_size, acceptance, most=None, match=0):
-        told.append(match)
-        return pays(self, batch_size, acceptance, most, match)
+    def spy(self, batch_size, acceptance, most=None, match=0, longest=False):
+        told.append((match, longest))
+        return pays(self, batch_size, acceptance, most, match, longest)
 
     monkeypatch.setattr(BackOff, "pays", spy)
     run(tiny, prompts_of([6]), SamplingParams(max_tokens=12, ignore_eos=True),
         speculative_method="ngram", prompt_lookup_min=2, prompt_lookup_max=4)
-    assert told and set(told) == {0, 4}
+    assert set(told) == {(2, False), (3, False), (4, True)}
