@@ -111,7 +111,7 @@ class SpecDecoder:
         step's token budget; `min_position`: no draft before it (the anchor tokens)."""
         self._t0 = time.perf_counter()
         self.drafts = {}
-        self._matches: dict[Sequence, int] = {}
+        self._matches = {}
         self.last_step = []
         self._batch_size = len(batch)
         self._pure = all(_is_decode(item) for item in batch)
