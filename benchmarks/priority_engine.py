@@ -28,7 +28,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 
-from kvscope.benchmarks.priority_latency import TOPICS, WORDS
+from kvscope.benchmarks.priority_latency import TOPICS, WORDS, add_load_options
 from kvscope.benchmarks.timing import add_json_flag, progress_logger, run_benchmark
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -177,13 +177,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=60.0, help="seconds a phase (default 60)")
     p.add_argument("--cycles", type=int, default=3)
     p.add_argument("--warmup-s", type=float, default=25.0)
-    p.add_argument("--fg-interval", type=float, default=1.5)
-    p.add_argument("--fg-tokens", type=int, default=48)
-    p.add_argument("--fg-priority", type=int, default=-1)
-    p.add_argument("--bg-streams", type=int, default=16)
-    p.add_argument("--bg-min-words", type=int, default=200)
-    p.add_argument("--bg-max-words", type=int, default=700)
-    p.add_argument("--bg-tokens", type=int, default=128)
+    add_load_options(p)
     p.add_argument("--load-seed", type=int, default=0, help="seed of the background prompts")
     add_json_flag(p)
     add_engine_options(p)

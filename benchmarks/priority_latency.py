@@ -371,6 +371,17 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def add_load_options(p: argparse.ArgumentParser) -> None:
+    """The chat and the background, as this benchmark and priority_engine share them."""
+    p.add_argument("--fg-interval", type=float, default=1.5)
+    p.add_argument("--fg-tokens", type=int, default=48)
+    p.add_argument("--fg-priority", type=int, default=-1)
+    p.add_argument("--bg-streams", type=int, default=16)
+    p.add_argument("--bg-min-words", type=int, default=200)
+    p.add_argument("--bg-max-words", type=int, default=700)
+    p.add_argument("--bg-tokens", type=int, default=128)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvscope.benchmarks.priority_latency",
                                 description=__doc__,
@@ -386,13 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lower-tokens", default="",
                    help="comma-separated priority_lower_tokens values: under priority, one "
                         "beside phase for each (default: the server's setting only)")
-    p.add_argument("--fg-interval", type=float, default=1.5)
-    p.add_argument("--fg-tokens", type=int, default=48)
-    p.add_argument("--fg-priority", type=int, default=-1)
-    p.add_argument("--bg-streams", type=int, default=16)
-    p.add_argument("--bg-min-words", type=int, default=200)
-    p.add_argument("--bg-max-words", type=int, default=700)
-    p.add_argument("--bg-tokens", type=int, default=128)
+    add_load_options(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server-threads", type=int, default=None,
                    help="OMP_NUM_THREADS for the server (torch threads)")
