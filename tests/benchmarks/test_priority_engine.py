@@ -8,16 +8,10 @@ import json
 import pytest
 
 from kvscope.benchmarks import priority_engine as bench
-from tests.support.server_harness import save_chat_model
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return save_chat_model(tmp_path_factory.mktemp("chat"), seed=2)
-
-
-def test_a_short_run_alternates_alone_and_beside(model, capsys):
-    argv = ["--model", str(model), "--device", "cpu", "--max-model-len", "256", "--json",
+def test_a_short_run_alternates_alone_and_beside(chat_model, capsys):
+    argv = ["--model", str(chat_model), "--device", "cpu", "--max-model-len", "256", "--json",
             "--seconds", "1.2", "--cycles", "2", "--warmup-s", "0.2", "--fg-interval", "0.3",
             "--fg-tokens", "4", "--bg-streams", "2", "--bg-min-words", "3",
             "--bg-max-words", "6", "--bg-tokens", "8", "--priority-hold-s", "0.1",

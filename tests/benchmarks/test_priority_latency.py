@@ -8,16 +8,10 @@ import json
 import pytest
 
 from kvscope.benchmarks import priority_latency as bench
-from tests.support.server_harness import save_chat_model
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return save_chat_model(tmp_path_factory.mktemp("chat"), seed=1)
-
-
-def test_a_short_run_reports_each_phase_of_each_policy(model, capsys):
-    argv = ["--model", str(model), "--device", "cpu", "--max-model-len", "256", "--json",
+def test_a_short_run_reports_each_phase_of_each_policy(chat_model, capsys):
+    argv = ["--model", str(chat_model), "--device", "cpu", "--max-model-len", "256", "--json",
             "--seconds", "1.5", "--fg-interval", "0.5", "--fg-tokens", "5", "--bg-streams", "2",
             "--bg-min-words", "3", "--bg-max-words", "6", "--bg-tokens", "12",
             "--priority-hold-s", "0.2", "--lower-tokens", "0,2"]
