@@ -28,7 +28,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 
-from kvscope.benchmarks.priority_latency import TOPICS, WORDS, add_load_options
+from kvscope.benchmarks.priority_load import TOPICS, WORDS, add_load_options
 from kvscope.benchmarks.timing import add_json_flag, progress_logger, run_benchmark
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
