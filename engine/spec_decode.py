@@ -127,7 +127,7 @@ class SpecDecoder:
             if budget <= 0:
                 break
             seq = item.seq
-            if not seq.params.speculative or not _is_decode(item):
+            if not seq.params.speculative:  # every item is a decode (self._pure)
                 continue
             n = len(seq.token_ids)
             k = min(self.k, budget, seq.params.max_tokens - seq.num_output_tokens - 1,
