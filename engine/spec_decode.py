@@ -118,7 +118,8 @@ class SpecDecoder:
         # A step that carries a prompt chunk drafts nothing: the back-off measures what drafts
         # cost in pure decode steps only, and beside a chunk the step runs kernel by kernel,
         # where 8 streams of quotes with drafts in such steps ran at 0.87x of no drafts.
-        if not self.enabled or not self._pure or not self.backoff.should_speculate(len(batch)):
+        if not self.enabled or not self._pure \
+                or not self.backoff.should_speculate(len(batch), 1.0 + self.k):
             return False
         budget -= sum(item.num_tokens for item in batch)
         free = len(bm.free_blocks)

@@ -72,3 +72,13 @@ def test_a_slot_freed_by_a_finished_request_takes_the_next_prompt():
     llm.engine = _Engine()
     run_batch(llm, prompts, 8)
     assert llm.engine.most_live == 5  # no concurrency: all at once
+
+
+def test_a_run_has_at_least_the_minimum_requests_in_whole_slots():
+    from kvscope.benchmarks.speculative import requests_at
+
+    assert requests_at(1, 3, 12) == 12
+    assert requests_at(2, 3, 12) == 12
+    assert requests_at(8, 3, 12) == 24  # 3 a slot is already more
+    assert requests_at(5, 3, 12) == 15  # whole slots
+    assert requests_at(5, 1, 12) == 15

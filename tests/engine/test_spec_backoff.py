@@ -175,6 +175,10 @@ def test_where_no_verify_can_reach_the_bar_nobody_drafts_not_even_to_probe():
     for _ in range(2 * REFRESH_EVERY):  # as the engine asks: pays only in drafting steps
         steps.append(b.should_speculate(8) and b.pays(8, copying, most=5.0))
     assert steps.count(True) == 2  # one step in REFRESH_EVERY, so the costs follow the load
+    # told the ceiling, the step itself is plain, so no request's drafts are even looked up
+    told = measured(0.048, 0.102, 1, batch=8)
+    looked = [told.should_speculate(8, most=5.0) for _ in range(2 * REFRESH_EVERY)]
+    assert looked.count(True) == 2 and looked.index(True) == 0
     # a reachable bar: the ceiling changes nothing
     reachable = measured(0.020, 0.032, 1)
     assert reachable.pays(1, Acceptance(2.0), most=5.0)
@@ -218,6 +222,23 @@ def test_a_request_whose_long_match_draft_missed_whole_drafts_by_its_own_estimat
     assert b.pays(1, quote, 5.0, match=4, longest=True)
     quote.verified(3)  # part of it was copied: the match still speaks for it
     assert not quote.match_missed and b.pays(1, quote, 5.0, match=4, longest=True)
+
+
+def test_a_long_match_draft_that_brought_less_than_its_bar_ends_the_match_route():
+    """At 2 streams the bar is ~2.4 tokens a verify: a chat's 4-gram draft that kept one of
+    its four tokens (2) lost, though it was not rejected whole; a quote's that kept two (3)
+    paid. The bar is the one the draft was made against."""
+    b = measured(0.0065, 0.0115, 1, batch=2)  # threshold 2.54 at 2 streams
+    for tokens in (5, 4, 5, 5):
+        b.match_verified(4, tokens)
+    chat, quote = Acceptance(1.0), Acceptance(1.0)
+    assert b.pays(2, chat, 5.0, match=4, longest=True)
+    assert chat.match_bar == pytest.approx(b.threshold(2))
+    chat.verified(2)
+    assert chat.match_missed and not b.pays(2, chat, 5.0, match=4, longest=True)
+    assert b.pays(2, quote, 5.0, match=4, longest=True)
+    quote.verified(3)
+    assert not quote.match_missed and b.pays(2, quote, 5.0, match=4, longest=True)
 
 
 def test_probes_wait_long_enough_to_cost_at_most_two_percent_of_the_batch():
