@@ -11,8 +11,10 @@ random words, --bg-tokens out, priority 0), and in the beside windows a chat eve
 alternate over one background that runs throughout, --cycles windows of --seconds / cycles
 each, in mirrored order every other round; after each beside window the engine runs on until
 its protected steps end (priority_hold_s after the last chat). Reported per phase: the
-background's output tok/s (tokens of its requests out during the windows), the median step
-time and the steps per second, and per window, so the pairs can be compared one by one.
+background's output tok/s (tokens of its requests out during the windows) and the tokens
+computed for it (prompt and output: output alone carries over between windows, a request's
+prompt in one and its answer in the next), the median step time and the steps per second,
+and per window, so the pairs can be compared one by one.
 
 priority_latency measures what a person sees over HTTP, with the API server and the client on
 the same cores; this one leaves both out, so the difference between the two ratios is what
@@ -44,9 +46,11 @@ class Window:
     seconds: float = 0.0
     steps: list[float] = field(default_factory=list)
     chats: int = 0
+    bg_work: int = 0  # tokens computed for the background: prompt and output
 
     def summary(self) -> dict:
         return {"bg_tok_s": self.bg_tokens / self.seconds if self.seconds else 0.0,
+                "bg_work_s": self.bg_work / self.seconds if self.seconds else 0.0,
                 "steps_per_s": len(self.steps) / self.seconds if self.seconds else 0.0,
                 "median_step_ms": 1e3 * statistics.median(self.steps) if self.steps else None,
                 "chats": self.chats}
@@ -64,6 +68,7 @@ class Load:
         self.fg_params = SamplingParams(max_tokens=args.fg_tokens, ignore_eos=True,
                                         priority=args.fg_priority)
         self.background: set[str] = set()
+        self.computed: dict[str, int] = {}  # a background request's tokens computed so far
         self.chats: set[str] = set()
         self.asked = 0
 
@@ -81,6 +86,19 @@ class Load:
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         self.chats.add(self.engine.add_request(ids, self.fg_params))
         self.asked += 1
+
+    def background_work(self) -> int:
+        """Tokens computed for the background since the last call: its requests' progress
+        (a preempted request starts over, and its recomputed tokens count as work too)."""
+        work = 0
+        for rid in self.background:
+            seq = self.engine.requests.get(rid)
+            if seq is None:
+                continue
+            now, last = seq.num_computed_tokens, self.computed.get(rid, 0)
+            work += max(0, now - last)
+            self.computed[rid] = now
+        return work
 
     def run(self, seconds: float, chat: bool, window: Window | None = None) -> None:
         """Step for `seconds` (chats asked in that time when `chat`, and stepped until they
@@ -101,12 +119,16 @@ class Load:
             out = self.engine.step()
             if window is not None and inside:
                 window.steps.append(time.perf_counter() - t)
+            work = self.background_work()
+            if window is not None and time.perf_counter() - start <= seconds:
+                window.bg_work += work
             for d in out.outputs:
                 if d.request_id in self.background:
                     if window is not None and time.perf_counter() - start <= seconds:
                         window.bg_tokens += len(d.token_ids)
                     if d.finished:
                         self.background.discard(d.request_id)
+                        self.computed.pop(d.request_id, None)
                         self.engine.pop_output(d.request_id)
                 elif d.finished:
                     self.chats.discard(d.request_id)
@@ -141,13 +163,16 @@ def run(args: argparse.Namespace) -> dict:
     phases = {}
     for name, ws in windows.items():
         total = Window(sum(w.bg_tokens for w in ws), sum(w.seconds for w in ws),
-                       [s for w in ws for s in w.steps], sum(w.chats for w in ws))
+                       [s for w in ws for s in w.steps], sum(w.chats for w in ws),
+                       sum(w.bg_work for w in ws))
         phases[name] = {**total.summary(), "windows": [w.summary() for w in ws]}
     alone, beside = phases["alone"]["bg_tok_s"], phases["beside"]["bg_tok_s"]
     return {"seconds": args.seconds, "cycles": args.cycles,
             "lower_tokens": config.priority_lower_tokens,
             "hold_s": config.priority_hold_s, "phases": phases,
             "bg_ratio": beside / alone if alone else None,
+            "bg_work_ratio": (phases["beside"]["bg_work_s"] / phases["alone"]["bg_work_s"]
+                              if phases["alone"]["bg_work_s"] else None),
             "pair_ratios": [b.summary()["bg_tok_s"] / a.summary()["bg_tok_s"]
                             if a.bg_tokens else None
                             for a, b in zip(windows["alone"], windows["beside"], strict=True)]}
@@ -156,16 +181,20 @@ def run(args: argparse.Namespace) -> dict:
 def table(r: dict) -> str:
     lines = [f"{r['seconds']:g} s a phase in {r['cycles']} alternating windows; "
              f"priority_lower_tokens {r['lower_tokens']}, hold {r['hold_s']:g} s",
-             f"{'phase':8s}{'bg tok/s':>10s}{'steps/s':>9s}{'step p50 ms':>13s}{'chats':>7s}"
+             f"{'phase':8s}{'bg tok/s':>10s}{'work/s':>8s}{'steps/s':>9s}{'step p50 ms':>13s}"
+             f"{'chats':>7s}"
              "  per window bg tok/s"]
     for name, p in r["phases"].items():
         per = ", ".join(f"{w['bg_tok_s']:.1f}" for w in p["windows"])
         step = "-" if p["median_step_ms"] is None else f"{p['median_step_ms']:.1f}"
-        lines.append(f"{name:8s}{p['bg_tok_s']:>10.1f}{p['steps_per_s']:>9.1f}{step:>13s}"
+        lines.append(f"{name:8s}{p['bg_tok_s']:>10.1f}{p['bg_work_s']:>8.0f}"
+                     f"{p['steps_per_s']:>9.1f}{step:>13s}"
                      f"{p['chats']:>7d}  {per}")
     ratio = "-" if r["bg_ratio"] is None else f"{r['bg_ratio']:.2f}x"
     pairs = ", ".join("-" if x is None else f"{x:.2f}" for x in r["pair_ratios"])
-    lines.append(f"background beside / alone: {ratio} (window by window: {pairs})")
+    work = "-" if r["bg_work_ratio"] is None else f"{r['bg_work_ratio']:.2f}x"
+    lines.append(f"background beside / alone: {ratio} out (window by window: {pairs}), "
+                 f"{work} computed (prompt + output)")
     return "\n".join(lines)
 
 

@@ -26,6 +26,9 @@ def test_a_short_run_alternates_alone_and_beside(chat_model, capsys):
         assert phase["bg_tok_s"] > 0 and phase["steps_per_s"] > 0
         assert all(w["bg_tok_s"] > 0 for w in phase["windows"])
     assert r["bg_ratio"] == pytest.approx(beside["bg_tok_s"] / alone["bg_tok_s"])
+    # computed: every prompt token and output token, so more than the output alone
+    assert all(p["bg_work_s"] > p["bg_tok_s"] for p in (alone, beside))
+    assert r["bg_work_ratio"] == pytest.approx(beside["bg_work_s"] / alone["bg_work_s"])
     assert len(r["pair_ratios"]) == 2
     assert "background beside / alone" in bench.table(r)
 

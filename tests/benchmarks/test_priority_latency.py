@@ -37,18 +37,35 @@ def test_a_short_run_reports_each_phase_of_each_policy(chat_model, capsys):
         assert alone["windows"] == beside["windows"] == r["cycles"] == 3
         assert alone["seconds"] == pytest.approx(1.5) == beside["seconds"]
         assert alone["bg_tokens_per_s"] > 0 and beside["bg_tokens_per_s"] > 0
+        # what the server computed: the idle chats' tokens, and the background's beside them
+        assert idle["tokens_computed"] > 0 and "bg_work_per_s" not in idle
+        assert alone["bg_work_per_s"] == pytest.approx(alone["tokens_computed"] / 1.5)
+        assert 0 < beside["bg_work_per_s"] < beside["tokens_computed"] / 1.5
         assert set(beside["preemptions"]) == {"memory", "priority"}
         assert set(runs["ratios"]) == set(bench.TARGETS) == set(runs["meets"])
 
 
 def test_targets_are_judged_in_the_right_direction():
     idle = {"ttft_p99_s": 0.1, "itl_p99_s": 0.02, "bg_tokens_per_s": None}
-    alone = {"ttft_p99_s": None, "itl_p99_s": None, "bg_tokens_per_s": 100.0}
-    good = {"ttft_p99_s": 0.15, "itl_p99_s": 0.04, "bg_tokens_per_s": 90.0}
-    bad = {"ttft_p99_s": 0.16, "itl_p99_s": 0.041, "bg_tokens_per_s": 89.0}
+    alone = {"ttft_p99_s": None, "itl_p99_s": None, "bg_tokens_per_s": 100.0,
+             "bg_work_per_s": 500.0}
+    good = {"ttft_p99_s": 0.15, "itl_p99_s": 0.04, "bg_tokens_per_s": 90.0,
+            "bg_work_per_s": 450.0}
+    bad = {"ttft_p99_s": 0.16, "itl_p99_s": 0.041, "bg_tokens_per_s": 89.0,
+           "bg_work_per_s": 449.0}
     assert bench.ratios(idle, alone, good)["meets"] == dict.fromkeys(bench.TARGETS, True)
     assert bench.ratios(idle, alone, bad)["meets"] == dict.fromkeys(bench.TARGETS, False)
     assert bench.ratios(idle, alone, good)["ratios"]["ttft_p99"] == pytest.approx(1.5)
+
+
+def test_the_background_work_is_what_the_server_computed_less_the_chats():
+    """Each chat is charged what one cost in the idle phase (its prompt past the cache and its
+    answer); the alone phase has no chats."""
+    idle = {"tokens_computed": 4000.0, "fg_requests": 40, "seconds": 60.0}
+    beside = {"tokens_computed": 3000.0, "fg_requests": 10, "seconds": 10.0}
+    alone = {"tokens_computed": 5000.0, "fg_requests": 0, "seconds": 10.0}
+    assert bench.background_work(idle, beside) == pytest.approx((3000 - 10 * 100) / 10)
+    assert bench.background_work(idle, alone) == pytest.approx(500.0)
 
 
 @pytest.mark.parametrize("args, message", [
