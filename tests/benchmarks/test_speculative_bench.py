@@ -42,6 +42,7 @@ class _Engine:
         self.live, self.most_live, self.n = {}, 0, 0
 
     def add_request(self, prompt, params):
+        self.params = params
         self.n += 1
         rid = f"r{self.n}"
         self.live[rid] = [prompt[0], prompt]
@@ -72,6 +73,9 @@ def test_a_slot_freed_by_a_finished_request_takes_the_next_prompt():
     llm.engine = _Engine()
     run_batch(llm, prompts, 8)
     assert llm.engine.most_live == 5  # no concurrency: all at once
+    assert llm.engine.params.ignore_eos  # the default: every reply runs to its length
+    run_batch(llm, prompts, [8, 9, 10, 11, 12], ignore_eos=False)
+    assert not llm.engine.params.ignore_eos and llm.engine.params.max_tokens == 12
 
 
 def test_a_run_has_at_least_the_minimum_requests_in_whole_slots():
