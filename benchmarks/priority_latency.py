@@ -39,9 +39,11 @@ used here) and work: the tokens the server computed in the windows (its
 `iteration_tokens_total` sum, prompt and output), less the chat's, at what a chat cost in
 the idle phase (that phase's tokens per chat). A request's prompt and answer can fall in
 different windows, so output alone carries over from window to window; computed tokens do
-not. Then the targets: TTFT p99 beside <= 1.5x idle, ITL p99
-beside <= 2x idle, background beside >= 0.9x alone (both ways). p99 of a short phase is
-close to its maximum: --seconds 60+ for numbers to quote.
+not, but a short window still starts from what the one before it left (20-second windows
+read 0.95-1.00x where 80-second ones read 0.87x: docs/scheduling.md). Then the targets: TTFT
+p99 beside <= 1.5x idle, ITL p99 beside <= 2x idle, background beside >= 0.9x alone (both
+ways). p99 of a short phase is close to its maximum: --seconds 60+ for numbers to quote,
+longer windows for the background's steady state.
 The server's preemptions by reason during each phase come from its /metrics.
 
 Options not listed below go to `kvscope serve` (--model, --device, --max-num-seqs, ...).

@@ -11,7 +11,8 @@ past its end the model invents a next conversation no draft from the context can
 third of the code edit's tokens at 96; tok/s counts each side's own tokens, and greedy
 replies are the same both ways at one stream):
 * quote: resources/spec_grounding.txt (~1.15k tokens) then "quote the paragraph that begins
-  '<its first six words>' word for word" (input-grounded: the reply repeats the context). The
+  '<its first six words>' word for word", for the four paragraphs the embedded model quotes
+  by copying (QUOTED_PARAGRAPHS; input-grounded: the reply repeats the context). The
   embedded model does quote when the paragraph is named by its opening words; asked for "the
   Nth paragraph" it wrote text of its own (2.4 tokens per verify, 1.28x; docs/speculative.md);
 * summary: the same text, "summarise the text above": a reply that borrows phrases, not
@@ -262,8 +263,8 @@ def run(args: argparse.Namespace) -> dict:
                     seconds, outputs[mode] = run_batch(llm, prompts, lengths, c,
                                                        args.ignore_eos)
                     tokens = sum(len(o) for o in outputs[mode])
-                    best[mode] = max(best[mode], tokens / seconds)
-                    row[f"tokens_{mode}"] = tokens
+                    if tokens / seconds > best[mode]:
+                        best[mode], row[f"tokens_{mode}"] = tokens / seconds, tokens
             for mode, rate in best.items():
                 row[f"tok_s_{mode}"] = rate
             after = engines["on"].engine.spec.counters
