@@ -168,6 +168,7 @@ async def interleaved(url: str, load: Load, seconds: float, cycles: int, hold_s:
 class ServerCounts:
     preemptions: dict[str, float]  # kvscope:num_preemptions_total by reason
     tokens: float  # tokens computed in all steps (iteration_tokens_total's sum)
+    interrupted: float = 0.0  # steps an arriving chat cut short (interrupted_steps_total)
 
 
 def server_counts(metrics_url: str) -> ServerCounts:
@@ -176,7 +177,7 @@ def server_counts(metrics_url: str) -> ServerCounts:
 
     text = urllib.request.urlopen(metrics_url, timeout=30).read().decode()
     out: dict[str, float] = {}
-    tokens = 0.0
+    tokens = interrupted = 0.0
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == "kvscope:num_preemptions_total":
@@ -184,7 +185,9 @@ def server_counts(metrics_url: str) -> ServerCounts:
                 out[reason] = out.get(reason, 0.0) + s.value
             elif s.name == "kvscope:iteration_tokens_total_sum":
                 tokens += s.value
-    return ServerCounts(out, tokens)
+            elif s.name == "kvscope:interrupted_steps_total":
+                interrupted += s.value
+    return ServerCounts(out, tokens, interrupted)
 
 
 async def counts_at(metrics_url: str, when: float) -> ServerCounts:
@@ -210,6 +213,7 @@ def measured(url: str, load: Load, seconds: float, fg: bool, bg: bool) -> dict:
     result["preemptions"] = {r: after.preemptions[r] - before.preemptions.get(r, 0.0)
                              for r in after.preemptions}
     result["tokens_computed"] = after.tokens - before.tokens
+    result["interrupted_steps"] = after.interrupted - before.interrupted
     return result
 
 

@@ -44,6 +44,10 @@ class BlockManager:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.cache_events: list[CacheEvent] | None = None  # a list records (cache_events.py)
+        # Blocks whose hash was registered since the journal opened (a list records): the
+        # scheduler registers a chunk's blocks before the step runs, so a step abandoned
+        # midway (engine.step_interrupt) must forget them again.
+        self.journal: list[int] | None = None
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -146,6 +150,8 @@ class BlockManager:
         if block_hash not in self.hash_to_block:
             block.hash = block_hash
             self.hash_to_block[block_hash] = block.block_id
+            if self.journal is not None:
+                self.journal.append(block.block_id)
             if self.cache_events is not None:
                 self.cache_events.append(BlockCached(block_hash, parent, tokens))
         # else: the same content was computed twice concurrently; this copy stays private.
@@ -208,6 +214,14 @@ class BlockManager:
                 self._release(block)
             released.append(block_id)
         return released
+
+    def forget_registered(self, block_ids: list[int]) -> None:
+        """Unregister these blocks' hashes (their step never ran): nobody may hit them."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            self._forget(block)
+            if self.cached_free.pop(block_id, False) is None:  # freed since: plain free now
+                self.free_blocks.append(block_id)
 
     def reset_prefix_cache(self) -> None:
         for block_id in list(self.cached_free):

@@ -209,7 +209,10 @@ def run_kernel_by_kernel(model: FusedModel, h: torch.Tensor, positions: torch.Te
     softcap = family.attn_softcap if family is not None else 0.0
     gelu = family is not None and family.activation == "gelu_tanh"
     layers = model.layers
+    interrupt = getattr(model, "interrupt", None)
     for i, layer in enumerate(layers):
+        if interrupt is not None:
+            interrupt.check()  # engine.step_interrupt: an urgent request arrived
         qkv = step.mm(step.x, layer.qkv)
         k_cache, v_cache = pool.caches[i]
         rope_write(step, i, layer, qkv, k_cache, v_cache)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from kvscope.engine.fused_model import FusedModel
+from kvscope.engine.step_interrupt import StepInterrupted
 from kvscope.engine.weight_formats import DenseLinear, Int4Linear, Linear
 from kvscope.kernels import cpu_attention, cpu_int4, cpu_linear, native
 from kvscope.kernels.attention_ref import AttentionMetadata
@@ -33,6 +34,7 @@ from kvscope.kernels.attention_ref import AttentionMetadata
 PoolPlan = Any
 
 ENV = "KVSCOPE_ONE_REGION"
+STOPPED = 2  # kvscope_decode_step's status when the step's stop flag was set
 BF16 = torch.bfloat16
 P, I64, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 MATMULS = ("qkv", "o_proj", "gate_up", "down")
@@ -61,7 +63,7 @@ class StepPlan(ctypes.Structure):
                 *((name, P) for name in (
                     "h", "q", "o", "xf", "x", "qkv", "att", "y", "gate_up", "act",
                     "positions", "slots", "att_rows", "tables", "lens", "anchor_idx",
-                    "R", "R_t", "first_norm"))]
+                    "R", "R_t", "first_norm", "stop"))]
 
 
 def enabled() -> bool:
@@ -262,7 +264,13 @@ def run(model: FusedModel, kv: PoolPlan, h: torch.Tensor, positions: torch.Tenso
         anchor_idx=native.address(anchor_idx), R=native.address(kv.r),
         R_t=native.address(kv.r_t), first_norm=tables.input_norms[0].data_ptr(),
         **{name: t.data_ptr() for name, t in buffers.items()})
-    if native.require_library().kvscope_decode_step(ctypes.addressof(plan),
-                                                    ctypes.addressof(table.layers)):
+    interrupt = getattr(model, "interrupt", None)
+    if interrupt is not None and interrupt.armed:
+        plan.stop = ctypes.addressof(interrupt.flag)
+    status = native.require_library().kvscope_decode_step(ctypes.addressof(plan),
+                                                          ctypes.addressof(table.layers))
+    if status == STOPPED:
+        raise StepInterrupted
+    if status:
         raise MemoryError("the one-region decode step could not allocate its scratch")
     return True

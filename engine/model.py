@@ -24,6 +24,7 @@ from kvscope.engine.model_family import SUPPORTED_FAMILIES, FamilySpec, family_s
 from kvscope.engine.model_rope import rope_tables, signed_sin
 from kvscope.engine.model_support import check_supported
 from kvscope.engine.model_weights import LayerWeights, fused_bias, load_weights
+from kvscope.engine.step_interrupt import StepInterrupt
 from kvscope.engine.weight_formats import Linear, int4_supports, make_linear
 from kvscope.kernels.anchors import Anchors
 from kvscope.kernels.attention_ref import AttentionMetadata
@@ -174,6 +175,7 @@ class PagedLlama:
         self.fused_rows, self.matmul_reason = (None, None) if self.fused_reason else \
             fused_model.matmul_plan(self)
         self.fused_decode = self.fused_rows is not None
+        self.interrupt: StepInterrupt | None = None  # set by the engine (priority policy)
         self.fused_tables = fused_model.float32_tables(self) if self.fused_decode else None
 
     def tensors(self) -> list[torch.Tensor]:
@@ -200,7 +202,10 @@ class PagedLlama:
             return rms_norm(h.to(self.dtype), self.final_norm, eps)
         h = self.embed_tokens(input_ids)
         rope, local = self.rope_rows(positions)
+        interrupt = self.interrupt
         for i, layer in enumerate(self.layers):
+            if interrupt is not None:
+                interrupt.check()  # engine.step_interrupt: an urgent request arrived
             cos, sin = local if layer.local_rope else rope
             h = self.run_layer(layer, h, cos, sin, partial(self._paged_attention, layer, meta,
                                                            pool.layer(i)))

@@ -166,6 +166,11 @@ class Scheduler:
         return counts
 
     # -- the step --------------------------------------------------------------------------
+    @property
+    def step_is_protected(self) -> bool:
+        """Whether the last schedule() made a protected step (urgent work was live)."""
+        return self._urgent is not None
+
     def schedule(self) -> list[ScheduledSeq]:
         self.last_preemptions = []
         memory_before = self.preemptions_by_reason["memory"]

@@ -55,7 +55,8 @@ typedef struct {
  * float32; xf: float32 scratch as wide as the widest matmul input), the rows' positions and
  * slots, and the decode attention's rows (att_rows, tables, lens, anchor_idx, as
  * kernels/cpu_attention.py's decode_rows). R: the pool's rotation, R_t its transpose (NULL:
- * none); first_norm: the first layer's input norm. */
+ * none); first_norm: the first layer's input norm. stop: a flag another thread may set while
+ * the step runs (engine/step_interrupt.py; NULL: never), read before each layer. */
 typedef struct {
     int64_t layers, rows, hidden, inter, heads, kv_heads, head_dim, block_size, kind, io, gelu;
     int64_t table_stride, seqs;
@@ -64,6 +65,7 @@ typedef struct {
     void *x, *qkv, *att, *y, *gate_up, *act;
     const int64_t *positions, *slots, *att_rows, *tables, *lens, *anchor_idx;
     const float *R, *R_t, *first_norm;
+    const volatile int *stop;
 } step_plan;
 
 /* The matmul input as float32 in xf, on one thread: int4 rounds it to bfloat16, dense widens
@@ -166,16 +168,23 @@ static void layer_team(const step_plan *s, const step_layer *l, decode_plan *pla
 }
 
 /* Every layer of a decode step: h (the embedding rows) becomes the residual stream after the
- * last layer, before the final norm. Returns 1 if some scratch could not be had (the step's
- * result is then not to be used). */
+ * last layer, before the final norm. Returns 1 if some scratch could not be had, 2 if the
+ * stop flag was set before some layer (the step's result is then not to be used). The flag
+ * is read by one thread and its reading shared through the barrier that ends the `single`,
+ * so every thread leaves at the same layer. */
 int kvscope_decode_step(const step_plan *s, const step_layer *layers) {
-    int status = 0;
+    int status = 0, stopped = 0;
     decode_plan plan;
     memset(&plan, 0, sizeof plan);
     kvscope_add_rms_norm(s->h, NULL, s->first_norm, s->eps, s->x, s->rows, s->hidden,
                          (int)s->io);
     const float *xf = matmul_input(s, &layers[0].qkv, s->x);
 #pragma omp parallel
-    for (int64_t i = 0; i < s->layers; i++) layer_team(s, &layers[i], &plan, &xf, &status);
-    return status;
+    for (int64_t i = 0; i < s->layers; i++) {
+#pragma omp single
+        stopped = s->stop != NULL && *s->stop != 0;
+        if (stopped) break;
+        layer_team(s, &layers[i], &plan, &xf, &status);
+    }
+    return stopped ? 2 : status;
 }

@@ -147,6 +147,13 @@ class EngineServer:
         """The step loop in the calling thread, until request_stop() (start(False) first)."""
         self._run()
 
+    def enqueue(self, who, cmd) -> None:
+        """Queue a client's command for the engine thread (any thread). A request of higher
+        priority than the step now running may cut that step short (engine.step_interrupt)."""
+        self.commands.put((who, cmd))
+        if isinstance(cmd, m.Submit):
+            self.engine.interrupt.offer(cmd.sampling.priority)
+
     def request_stop(self) -> None:
         """Safe from a signal handler: the engine thread aborts in-flight requests and exits."""
         self.commands.put(_STOP)

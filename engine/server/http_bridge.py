@@ -152,7 +152,7 @@ class EngineBridge:
         return self.closing or s.stopping or s.done.is_set()
 
     def put(self, client: HttpClient, cmd) -> None:
-        self.server.commands.put((client, cmd))
+        self.server.enqueue(client, cmd)
 
     async def submit(self, **fields) -> EngineStream:
         """Queue a Submit (prompt / messages / token_ids, sampling, request_id); raises

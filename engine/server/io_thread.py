@@ -146,7 +146,7 @@ class IOThread(threading.Thread):
                 if len(body) != 1:
                     raise codec.BadMessage(m.MALFORMED, f"expected one frame after the routing "
                                            f"id, got {len(body)}")
-                self.server.commands.put((identity, codec.decode_command(body[0])))
+                self.server.enqueue(identity, codec.decode_command(body[0]))
             except codec.BadMessage as exc:
                 self.bad_frames += 1
                 self._reply(identity, codec.encode(m.Error(exc.call_id, exc.code, exc.message)))

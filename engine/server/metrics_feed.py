@@ -46,5 +46,6 @@ class MetricsFeed:
         if slow_due or not busy:
             self.kv_totals, self.totals_at = snapshots.block_totals(self.engine), now
         self.metrics.publish(EngineState(self.engine.stats(), self.kv_totals, self.device(),
-                                         scheduler_counts(self.engine.scheduler)))
+                                         scheduler_counts(self.engine.scheduler,
+                                                          self.engine.interrupt.num_interrupted)))
         self.published_at, self.published_version = now, version

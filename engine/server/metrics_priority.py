@@ -41,12 +41,13 @@ class SchedulerCounts:
     preemptions_by_reason: dict[str, int] = field(default_factory=dict)
     recomputed_tokens: int = 0
     waiting_by_priority: dict[int, int] = field(default_factory=dict)
+    interrupted_steps: int = 0  # steps a more urgent arrival cut short (step_interrupt)
 
 
-def scheduler_counts(scheduler) -> SchedulerCounts:
+def scheduler_counts(scheduler, interrupted_steps: int = 0) -> SchedulerCounts:
     """The scheduler's counters (engine thread); copies, so /metrics never reads them live."""
     return SchedulerCounts(dict(scheduler.preemptions_by_reason), scheduler.recomputed_tokens,
-                           scheduler.waiting_by_priority())
+                           scheduler.waiting_by_priority(), interrupted_steps)
 
 
 def labelled_waiting(counts: dict[int, int], label: PriorityLabels) -> dict[str, int]:
@@ -59,8 +60,8 @@ def labelled_waiting(counts: dict[int, int], label: PriorityLabels) -> dict[str,
 
 def priority_families(prefix: str, counts: SchedulerCounts, waiting: dict[str, int],
                       labels: dict):
-    """num_preemptions{reason} (vLLM's name, plus the reason), recomputed_tokens and
-    num_requests_waiting_by_priority{priority}."""
+    """num_preemptions{reason} (vLLM's name, plus the reason), recomputed_tokens,
+    interrupted_steps and num_requests_waiting_by_priority{priority}."""
     names, values = [*labels], [*labels.values()]
     preemptions = CounterMetricFamily(
         prefix + "num_preemptions", "Cumulative number of preemption from the engine, by "
@@ -75,6 +76,12 @@ def priority_families(prefix: str, counts: SchedulerCounts, waiting: dict[str, i
         "computed again (after prefix-cache hits).", labels=names)
     recomputed.add_metric(values, counts.recomputed_tokens)
     yield recomputed
+    interrupted = CounterMetricFamily(
+        prefix + "interrupted_steps", "Steps of less urgent work abandoned between layers "
+        "because a request of higher priority arrived (their work is done again).",
+        labels=names)
+    interrupted.add_metric(values, counts.interrupted_steps)
+    yield interrupted
     gauge = GaugeMetricFamily(
         prefix + "num_requests_waiting_by_priority", "Requests waiting to be processed, by "
         "priority (lower = sooner).", labels=[*names, "priority"])

@@ -74,13 +74,14 @@ def test_the_priority_label_set_is_bounded():
 def test_preemptions_by_reason_and_waiting_by_priority():
     metrics = EngineMetrics("default", 256, 64)
     counts = SchedulerCounts({"memory": 2, "priority": 3}, recomputed_tokens=40,
-                             waiting_by_priority={-1: 1, 0: 2})
+                             waiting_by_priority={-1: 1, 0: 2}, interrupted_steps=7)
     metrics.publish(EngineState(STATS, None, None, counts))
     name = "kvscope:num_preemptions_total"
     assert value(metrics, name, reason="memory") == 2
     assert value(metrics, name, reason="priority") == 3
     assert value(metrics, name) == 5 == STATS.num_preemptions  # the reasons add up
     assert value(metrics, "kvscope:recomputed_tokens_total") == 40
+    assert value(metrics, "kvscope:interrupted_steps_total") == 7
     waiting = {s.labels["priority"]: s.value for s in samples(metrics)
                if s.name == "kvscope:num_requests_waiting_by_priority"}
     assert waiting == {"-1": 1, "0": 2}
