@@ -126,6 +126,7 @@ async def interleaved(url: str, load: Load, seconds: float, cycles: int, hold_s:
     windows: dict[str, list[tuple[float, float]]] = {name: [] for name in ["alone", *besides]}
     pre: dict[str, dict[str, float]] = {name: {} for name in windows}
     computed = dict.fromkeys(windows, 0.0)
+    interrupted = dict.fromkeys(windows, 0.0)
     metrics_url = url.removesuffix("/v1") + "/metrics"
     workers = [asyncio.create_task(background_worker(url, load, w, bg))
                for w in range(load.bg_streams)]
@@ -148,6 +149,7 @@ async def interleaved(url: str, load: Load, seconds: float, cycles: int, hold_s:
                 windows[name].append((start, start + width))
                 after = await end
                 computed[name] += after.tokens - before.tokens
+                interrupted[name] += after.interrupted - before.interrupted
                 for reason, n in after.preemptions.items():
                     pre[name][reason] = pre[name].get(reason, 0.0) + n \
                         - before.preemptions.get(reason, 0.0)
@@ -160,7 +162,7 @@ async def interleaved(url: str, load: Load, seconds: float, cycles: int, hold_s:
         samples = fg.get(name, Samples())
         samples.bg_chunks = bg.bg_chunks
         out[name] = {**summary(samples, spans, producing), "preemptions": pre[name],
-                     "tokens_computed": computed[name]}
+                     "tokens_computed": computed[name], "interrupted_steps": interrupted[name]}
     return out
 
 
