@@ -25,6 +25,9 @@ class StandInServer:
         self.done = threading.Event()
         self.answer = answer
 
+    def enqueue(self, who, cmd) -> None:
+        self.commands.put((who, cmd))
+
     def serve_one(self) -> None:
         who, cmd = self.commands.get(timeout=10)
         who.deliver(self.answer(cmd))
