@@ -24,6 +24,9 @@ PREEMPTION_TIP = (
     "the KV pool ran dry and a running request gave its blocks back; priority: a more urgent "
     "waiting request displaced it (scheduling: priority). A preempted request is recomputed "
     "later (prefix-cache hits spare part of that).")
+INTERRUPT_TIP = (
+    " Steps interrupted: steps of less urgent work that stopped midway because a more urgent "
+    "request (such as this window's chat) arrived; their work is done again.")
 
 
 class EngineStatusBar(QStatusBar):
@@ -139,16 +142,20 @@ class EngineStatusBar(QStatusBar):
                                   + (f" · {http} via HTTP" if http else "")
                                   + engine_spec_text(e))
         self.show_preemptions(getattr(stats, "preemptions_by_reason", None) or {},
-                              getattr(stats, "recomputed_tokens", 0))
+                              getattr(stats, "recomputed_tokens", 0),
+                              getattr(stats, "interrupted_steps", 0))
         self.show_notice(stats.config)
 
-    def show_preemptions(self, by_reason: dict[str, int], recomputed_tokens: int = 0) -> None:
-        """"preempted: 3 memory · 1 priority" (hidden until the first preemption)."""
-        text = preemptions_text(by_reason)
+    def show_preemptions(self, by_reason: dict[str, int], recomputed_tokens: int = 0,
+                         interrupted_steps: int = 0) -> None:
+        """"preempted: 3 memory · 1 priority · 2 steps interrupted" (hidden until the first
+        preemption or interrupted step)."""
+        text = " · ".join(t for t in (preemptions_text(by_reason),
+                                      interrupted_text(interrupted_steps)) if t)
         if text != self.preemptions_label.text():
             self.preemptions_label.setText(text)
         tip = PREEMPTION_TIP + (f" Tokens recomputed so far: {recomputed_tokens:,}."
-                                if recomputed_tokens else "")
+                                if recomputed_tokens else "") + INTERRUPT_TIP
         if tip != self.preemptions_label.toolTip():
             self.preemptions_label.setToolTip(tip)
         self.preemptions_label.setVisible(bool(text))
@@ -218,6 +225,10 @@ def preemptions_text(by_reason: dict[str, int]) -> str:
         return ""
     order = [r for r in REASON_ORDER if r in counts] + sorted(set(counts) - set(REASON_ORDER))
     return "preempted: " + " · ".join(f"{counts[r]} {r}" for r in order)
+
+
+def interrupted_text(steps: int) -> str:
+    return f"{steps} step{'s' if steps != 1 else ''} interrupted" if steps > 0 else ""
 
 
 def model_name(model: str) -> str:

@@ -460,6 +460,9 @@ class StatsFrame(msgspec.Struct, kw_only=True):
     # away that had to be computed again (issue 26; empty / 0 from an older engine).
     preemptions_by_reason: dict[str, int] = {}
     recomputed_tokens: int = 0
+    # Steps of less urgent work a more urgent arrival cut short (engine.step_interrupt; 0
+    # from an older engine).
+    interrupted_steps: int = 0
 
 
 class Heartbeat(msgspec.Struct, kw_only=True):

@@ -283,7 +283,8 @@ class Metrics:
             engine=stats, config=engine_settings(engine), server=server,
             preemptions_by_reason={str(k): int(v) for k, v in getattr(
                 engine.scheduler, "preemptions_by_reason", {}).items()},
-            recomputed_tokens=int(getattr(engine.scheduler, "recomputed_tokens", 0)))
+            recomputed_tokens=int(getattr(engine.scheduler, "recomputed_tokens", 0)),
+            interrupted_steps=engine.interrupt.num_interrupted)
 
 
 def percentiles(samples) -> m.Percentiles:

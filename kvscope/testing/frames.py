@@ -121,10 +121,11 @@ def server_counters(**overrides) -> m.ServerCounters:
 
 def stats_frame(seq: int = 1, t: float | None = None, config: dict | None = None,
                 server: dict | None = None, preemptions_by_reason: dict | None = None,
-                **engine) -> m.StatsFrame:
+                interrupted_steps: int = 0, **engine) -> m.StatsFrame:
     """config: EngineSettings fields to override; server: ServerCounters fields;
-    preemptions_by_reason: the cumulative counts ({"memory": 3}); any other keyword: an
-    EngineStats field (num_kv_blocks=..., kv_dtype=...)."""
+    preemptions_by_reason: the cumulative counts ({"memory": 3}); interrupted_steps: steps
+    cut short so far; any other keyword: an EngineStats field (num_kv_blocks=...,
+    kv_dtype=...)."""
     t = time.time() if t is None else t
     pct = m.Percentiles(0.05, 0.08, 0.1, 10)
     stats = engine_stats(**engine)
@@ -133,7 +134,8 @@ def stats_frame(seq: int = 1, t: float | None = None, config: dict | None = None
         generation_tokens_per_s=50.0, ttft_s=pct, itl_s=pct,
         kv_usage=stats.num_used_blocks / max(1, stats.num_kv_blocks), engine=stats,
         config=engine_settings(**(config or {})), server=server_counters(**(server or {})),
-        preemptions_by_reason=dict(preemptions_by_reason or {}))
+        preemptions_by_reason=dict(preemptions_by_reason or {}),
+        interrupted_steps=interrupted_steps)
 
 
 def heartbeat(seq: int = 1, busy: bool = False) -> m.Heartbeat:

@@ -166,6 +166,12 @@ def test_status_bar_counts_preemptions_by_reason(qtbot):
     assert "more urgent" in bar.preemptions_label.toolTip()
     bar.show_stats(stats_frame(preemptions_by_reason={"memory": 0, "priority": 2}))
     assert bar.preemptions_label.text() == "preempted: 2 priority"
+    bar.show_stats(stats_frame(preemptions_by_reason={"priority": 2}, interrupted_steps=3))
+    assert bar.preemptions_label.text() == "preempted: 2 priority · 3 steps interrupted"
+    assert "more urgent request" in bar.preemptions_label.toolTip()
+    bar.show_stats(stats_frame(interrupted_steps=1))
+    assert bar.preemptions_label.text() == "1 step interrupted"
+    assert bar.preemptions_label.isVisible()
 
 
 def test_status_bar_shows_the_decode_path_notice(qtbot):

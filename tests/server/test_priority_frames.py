@@ -79,6 +79,9 @@ def test_frames_carry_waits_preemptions_and_counts(model):
     assert stats.preemptions_by_reason == by_reason
     assert sum(by_reason.values()) == len(expected)
     assert stats.recomputed_tokens == engine.scheduler.recomputed_tokens > 0
+    engine.interrupt.num_interrupted = 4  # as if 4 steps had been cut short
+    stats = wire(snapshots.Metrics().frame(engine, 2, server_counters()), m.StatsFrame)
+    assert stats.interrupted_steps == 4
 
 
 def test_a_snapshot_reply_leaves_the_preemptions_to_the_next_frame():
