@@ -218,9 +218,9 @@ class BlockManager:
     def forget_registered(self, block_ids: list[int]) -> None:
         """Unregister these blocks' hashes (their step never ran): nobody may hit them."""
         for block_id in block_ids:
-            block = self.blocks[block_id]
-            self._forget(block)
-            if self.cached_free.pop(block_id, False) is None:  # freed since: plain free now
+            self._forget(self.blocks[block_id])
+            if block_id in self.cached_free:  # freed since: with no hash it is plain free
+                del self.cached_free[block_id]
                 self.free_blocks.append(block_id)
 
     def reset_prefix_cache(self) -> None:

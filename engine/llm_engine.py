@@ -44,7 +44,12 @@ from kvscope.engine.scheduler import (
 )
 from kvscope.engine.sequence import Sequence
 from kvscope.engine.spec_decode import SPEC_SETTINGS, SpecDecoder
-from kvscope.engine.step_interrupt import StepInterrupt, StepInterrupted, interrupts_enabled
+from kvscope.engine.step_interrupt import (
+    StepInterrupt,
+    StepInterrupted,
+    interrupts_enabled,
+    roll_back,
+)
 from kvscope.engine.weight_formats import resolve_weights
 from kvscope.ipc.messages import EngineStats
 from kvscope.kernels.k_balance import KBalanceLayer
@@ -117,7 +122,7 @@ class LLMEngine:
         self.spec = SpecDecoder(config)  # speculative decoding (engine.spec_decode)
         # A request of higher priority may abandon a step of less urgent work midway.
         self.interrupt = self.model.interrupt = StepInterrupt()
-        self._registered: list[int] = []  # blocks the step's schedule registered
+        self._interrupts = interrupts_enabled()
         self._build_pool(previous=None)
 
     # -- pool ------------------------------------------------------------------------------
@@ -323,7 +328,6 @@ class LLMEngine:
             batch = self.scheduler.schedule()
         finally:
             registered, bm.journal = bm.journal, None
-        self._registered = registered
         self._arm_interrupt(batch)
         deltas = [TokenDelta(s.request_id, [], "", True, s.finish_reason)
                   for s in self._drain_capacity_finishes()]
@@ -332,11 +336,13 @@ class LLMEngine:
         drafted = self._draft(batch)
         try:
             logits = self.runner.run(batch, drafted)
-        except BaseException as exc:
-            self.spec.abandon(batch, self.block_manager)
-            if isinstance(exc, StepInterrupted):
-                self._roll_back(batch)
-                return StepResult(deltas, [])
+        except StepInterrupted:
+            self.spec.abandon(batch, bm)
+            roll_back(bm, batch, registered)
+            self.interrupt.num_interrupted += 1
+            return StepResult(deltas, [])
+        except BaseException:
+            self.spec.abandon(batch, bm)
             raise
         finally:
             self.interrupt.disarm()
@@ -352,26 +358,9 @@ class LLMEngine:
     def _arm_interrupt(self, batch: list[ScheduledSeq]) -> None:
         """Let a request of higher priority abandon this step (engine.step_interrupt): only an
         unprotected step under the priority policy, whose work is all less urgent."""
-        if batch and self.scheduler.policy == "priority" and interrupts_enabled() \
+        if batch and self._interrupts and self.scheduler.policy == "priority" \
                 and not self.scheduler.step_is_protected:
             self.interrupt.arm(min(item.seq.params.priority for item in batch))
-
-    def _roll_back(self, batch: list[ScheduledSeq]) -> None:
-        """Undo what scheduling the abandoned step promised: the hashes of blocks it never
-        finished, and any prefix hit a request admitted with it took on one of them. The
-        blocks stay with their sequences, whose next chunk starts where this one did."""
-        bm = self.block_manager
-        registered = set(self._registered)
-        bm.forget_registered(self._registered)
-        for item in batch:
-            seq = item.seq
-            computed = seq.num_computed_tokens // bm.block_size
-            bad = next((i for i in range(computed) if seq.block_table[i] in registered), None)
-            if bad is not None:
-                bm.truncate(seq, bad)
-                seq.num_computed_tokens = bad * bm.block_size
-                seq.num_cached_tokens = min(seq.num_cached_tokens, seq.num_computed_tokens)
-        self.interrupt.num_interrupted += 1
 
     def _draft(self, batch: list[ScheduledSeq]) -> bool:
         """Speculative drafts for the step's decodes (engine.spec_decode); True if any."""

@@ -6,9 +6,9 @@ streams on 2 cores. A chat that arrives then waits for the whole step before its
 even scheduled; that wait was most of its TTFT p99 under load (docs/scheduling.md). So such
 a step is *armed* with the best (lowest) priority it carries; a thread that queues a request
 of strictly higher priority (lower number) *offers* it, and the model's layer loop, which
-checks between layers, abandons the step. The engine rolls it back (LLMEngine._step): no
-token advanced, the prefix-cache hashes it registered for blocks it never finished are
-forgotten, and the next step schedules the newcomer first. What is lost is the part of
+checks between layers, abandons the step. The engine rolls it back (roll_back): no token
+advanced, the prefix-cache hashes it registered for blocks it never finished are forgotten,
+and the next step schedules the newcomer first. What is lost is the part of
 one step already run, once per arrival that beats a whole step.
 
 The flag is a C int, so the one-region fused step (engine.fused_one_region, one native call
@@ -18,6 +18,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvscope.engine.block_manager import BlockManager
+    from kvscope.engine.scheduler import ScheduledSeq
 
 # A diagnostic switch, as KVSCOPE_ONE_REGION is: "off" arms no step (benchmarks A/B with it).
 ENV = "KVSCOPE_STEP_INTERRUPT"
@@ -69,3 +74,20 @@ class StepInterrupt:
         """Between layers: abandon the step if an urgent request asked."""
         if self.flag.value and self._armed is not None:
             raise StepInterrupted
+
+
+def roll_back(bm: BlockManager, batch: list[ScheduledSeq], registered: list[int]) -> None:
+    """Undo what scheduling an abandoned step promised: the hashes of the blocks its schedule
+    registered (`registered`, BlockManager.journal), and any prefix hit a request admitted
+    with it took on one of them. The blocks stay with their sequences, whose next chunk
+    starts where this one did."""
+    bm.forget_registered(registered)
+    unfinished = set(registered)
+    for item in batch:
+        seq = item.seq
+        computed = seq.num_computed_tokens // bm.block_size
+        bad = next((i for i in range(computed) if seq.block_table[i] in unfinished), None)
+        if bad is not None:
+            bm.truncate(seq, bad)
+            seq.num_computed_tokens = bad * bm.block_size
+            seq.num_cached_tokens = min(seq.num_cached_tokens, seq.num_computed_tokens)

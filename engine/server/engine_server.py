@@ -151,6 +151,8 @@ class EngineServer:
         """Queue a client's command for the engine thread (any thread). A request of higher
         priority than the step now running may cut that step short (engine.step_interrupt)."""
         self.commands.put((who, cmd))
+        # Queued first: a step armed after this offer was read takes the request in before
+        # it schedules, so a late offer can never cut short the step that carries it.
         if isinstance(cmd, m.Submit):
             self.engine.interrupt.offer(cmd.sampling.priority)
 

@@ -111,8 +111,10 @@ def test_equal_priority_or_a_protected_step_is_never_interrupted(loaded, monkeyp
     assert fcfs.step().ran and fcfs.interrupt.num_interrupted == 0  # fcfs never arms
     restore()
     monkeypatch.setenv("KVSCOPE_STEP_INTERRUPT", "off")  # the diagnostic switch
-    _, restore = offer_at_layer(engine, 0, priority=-9)
-    assert engine.step().ran and engine.interrupt.num_interrupted == 0
+    switched_off = make_engine(loaded)
+    switched_off.add_request(p, SamplingParams(max_tokens=4, ignore_eos=True))
+    _, restore = offer_at_layer(switched_off, 0, priority=-9)
+    assert switched_off.step().ran and switched_off.interrupt.num_interrupted == 0
     restore()
     monkeypatch.delenv("KVSCOPE_STEP_INTERRUPT")
     # a protected step already carries the urgent work: it runs to the end

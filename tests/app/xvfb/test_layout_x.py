@@ -4,6 +4,8 @@ re-arranges its docks and never cuts the Engine tab, its Apply button or the sta
 long status texts never widen it."""
 from __future__ import annotations
 
+import os
+
 import pytest
 from PySide6.QtCore import QRect, QSettings, Qt
 
@@ -111,6 +113,25 @@ def test_long_status_texts_never_widen_the_window(live_window, qtbot, qapp):
     assert xserver.window_geometry(wid)[2] == 1366
     assert screen_rect(qapp).contains(window.frameGeometry())
     assert window.status.engine_label.toolTip().startswith("engine is dead")
+
+
+def test_preemptions_and_interrupted_steps_fit_the_smallest_window(live_window, qtbot, qapp):
+    from kvscope.testing.frames import stats_frame
+
+    window, wid = live_window
+    resize_through_x(qtbot, qapp, window, wid, 1280, 720)
+    window.status.show_stats(stats_frame(preemptions_by_reason={"memory": 12, "priority": 345},
+                                         interrupted_steps=6789))
+    for _ in range(5):
+        qapp.processEvents()
+        qtbot.wait(20)
+    label = window.status.preemptions_label
+    assert label.isVisible() and label.text().endswith("6789 steps interrupted")
+    assert window.width() == 1280 and xserver.window_geometry(wid)[2] == 1280
+    assert not clipped_labels(window.status)
+    shot = os.environ.get("KVSCOPE_STATUS_SHOT")
+    if shot:
+        assert window.grab().save(shot)
 
 
 def test_reset_layout_restores_the_first_start(live_window, qtbot, qapp):
