@@ -47,7 +47,8 @@ def _decision_shape(lin: Any) -> tuple[object, ...] | None:
         return (lin.weight.dtype, tuple(lin.weight.shape))
     if isinstance(lin, Int4Linear | Int8Linear):
         n, k = lin.scale_zero.shape[1], lin.in_features
-        return ("int4", n, k) if cpu_int4.supports(n, k) else None
+        # the tiles' layout has one kernel: what was chosen is the family ("int4 kernels")
+        return ("int4", n, k) if cpu_int4.supports(n, k) and lin.tiles is None else None
     return None
 
 
@@ -75,7 +76,7 @@ def _ask(lin: Any, rows: int) -> None:
         cpu_linear.implementation(torch.randn(rows, w.shape[1]).to(w.dtype), w)
         return
     n, k = lin.scale_zero.shape[1], lin.in_features
-    if cpu_int4.implementation(rows, n, k) is None:
+    if lin.packed is not None and cpu_int4.implementation(rows, n, k) is None:
         cpu_int4.int4_mm(torch.randn(rows, k).to(torch.bfloat16), lin.packed, lin.scale_zero)
 
 
@@ -107,6 +108,9 @@ def decide(model: Any, concurrency: int, remeasure: bool,
     # the decode attention's thread split is decided by the calls themselves (on their own
     # pools, kernels/decode_split.py): shown as the runs on this machine left it
     names += sorted(n for n in table if n.startswith("decode-attention ") and n not in names)
+    # which 4-bit kernels the process runs at every row count (kernels.cpu_int4.family),
+    # decided once per machine when the first 4-bit weight was made
+    names += sorted(n for n in table if n.startswith("int4 kernels ") and n not in names)
     return {
         "machine": chooser.key,
         "cache_file": str(chooser.path),

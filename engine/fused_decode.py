@@ -51,8 +51,8 @@ from kvscope.engine.fused_model import (
     FusedModel,
     FusedPool,
 )
-from kvscope.engine.weight_formats import INT4_GROUP, DenseLinear, Int4Linear, Linear
-from kvscope.kernels import cpu_attention, cpu_int4, cpu_linear, native
+from kvscope.engine.weight_formats import DenseLinear, Int4Linear, Linear, int4_mm_bf16
+from kvscope.kernels import cpu_attention, cpu_linear, native
 from kvscope.kernels.anchors import Anchors
 from kvscope.kernels.attention_ref import AttentionMetadata
 
@@ -61,11 +61,7 @@ def int4(x: torch.Tensor, linear: Linear) -> torch.Tensor:
     """bfloat16 x [T, in] -> bfloat16 [T, out], without the float32 round trip."""
     if not isinstance(linear, Int4Linear):  # matmul_plan chose int4 for every matmul
         raise TypeError(f"an int4 decode step got a {type(linear).__name__}")
-    if cpu_int4.supports(*linear.shape):  # the same bits as torch's kernel, when faster
-        return cpu_int4.int4_mm(x, linear.packed, linear.scale_zero)
-    y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(  # torch.ops is typed Any
-        x, linear.packed, INT4_GROUP, linear.scale_zero)
-    return y
+    return int4_mm_bf16(x, linear)
 
 
 def dense(x: torch.Tensor, linear: Linear) -> torch.Tensor:

@@ -155,6 +155,9 @@ def _build_table(model: FusedModel, kv: PoolPlan) -> LayerTable:
 def _matmul(linear: Linear, keep: list[torch.Tensor]) -> StepMatmul:
     n, k = linear.shape
     if isinstance(linear, Int4Linear):
+        if linear.tiles is not None:
+            return StepMatmul(linear.tiles.data_ptr(), None, n, k, 2)
+        assert linear.packed is not None  # one of the two layouts is always kept
         return StepMatmul(linear.packed.data_ptr(), linear.scale_zero.data_ptr(), n, k, 1)
     if not isinstance(linear, DenseLinear) or not linear.weight.is_contiguous():
         raise TypeError(f"a one-region decode step got a {type(linear).__name__}")
@@ -193,7 +196,9 @@ def _native_paths(matmuls: Sequence[Linear], rows: int, io_dtype: torch.dtype,
         if isinstance(linear, Int4Linear):
             if not cpu_int4.supports(n, k):
                 return None
-            impl = cpu_int4.implementation(rows, n, k)
+            # the tiles' kernels are the only ones for their layout: nothing to choose
+            impl = cpu_int4.TILES if linear.tiles is not None \
+                else cpu_int4.implementation(rows, n, k)
         elif isinstance(linear, DenseLinear) and linear.native:
             impl = cpu_linear.chosen(io_dtype, n, k, rows)
             if impl == cpu_linear.TORCH and instead_of_torch:

@@ -56,13 +56,14 @@ class Int4Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = weight.shape
         codes, scale_zero = quantize_int4(weight.float())
-        self.packed: torch.Tensor = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
         self.scale_zero = scale_zero.to(KERNEL_DTYPE)
+        self.packed, self.tiles = int4_layout(
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), self.scale_zero)
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = int4_mm(x.reshape(-1, self.in_features), self.packed, self.scale_zero)
+        y = int4_mm(x.reshape(-1, self.in_features), self)
         y = y.view(*lead, self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -71,7 +72,8 @@ class Int4Linear:
         return self.out_features, self.in_features
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.packed, self.scale_zero, self.bias) if t is not None]
+        return [t for t in (self.packed, self.tiles, self.scale_zero, self.bias)
+                if t is not None]
 
 
 class Int8Linear:
@@ -98,13 +100,14 @@ class Int8Linear:
         scales = torch.cat([16 * scale, scale])
         zeros = torch.cat([torch.zeros_like(scale), 8 * scale])
         scale_zero = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
-        self.packed: torch.Tensor = torch.ops.aten._convert_weight_to_int4pack_for_cpu(halves, 1)
         self.scale_zero = scale_zero.to(KERNEL_DTYPE)
+        self.packed, self.tiles = int4_layout(
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(halves, 1), self.scale_zero)
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead, n = x.shape[:-1], self.out_features
-        y = int4_mm(x.reshape(-1, self.in_features), self.packed, self.scale_zero)
+        y = int4_mm(x.reshape(-1, self.in_features), self)
         y = (y[:, :n] + y[:, n:]).view(*lead, n)
         return y if self.bias is None else y + self.bias
 
@@ -113,7 +116,8 @@ class Int8Linear:
         return self.out_features, self.in_features
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.packed, self.scale_zero, self.bias) if t is not None]
+        return [t for t in (self.packed, self.tiles, self.scale_zero, self.bias)
+                if t is not None]
 
 
 # A matmul weight in any of the formats: called as linear(x), with .shape (out, in), .bias and
@@ -142,19 +146,38 @@ def int4_supports(weight: torch.Tensor) -> bool:
     return k % INT4_GROUP == 0 and n % INT4_ROW_MULTIPLE == 0
 
 
-def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
-    """x [M, K] times the packed weight, [M, N] in x's dtype, through bfloat16.
+def int4_layout(packed: torch.Tensor, scale_zero: torch.Tensor
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(torch's packed codes, None), or (None, the AMX tiles' layout) where this process runs
+    the tiles' kernels (kernels.cpu_int4.family): one layout is kept, not both."""
+    n, k = scale_zero.shape[1], scale_zero.shape[0] * INT4_GROUP
+    if cpu_int4.supports(n, k) and cpu_int4.family() == cpu_int4.TILES:
+        return None, cpu_int4.pack_tiles(packed, scale_zero)
+    return packed, None
+
+
+def int4_mm(x: torch.Tensor, linear: Int4Linear | Int8Linear) -> torch.Tensor:
+    """x [M, K] times the 4-bit weight, [M, N] in x's dtype, through bfloat16.
 
     Splitting a float32 x into two bfloat16 rows (head and remainder) was tried: greedy
     agreement with float32 Hugging Face rose only about 6 points (the bfloat16 scales bound
     it) for a slower call, so the input is simply rounded.
     """
     xb = x.to(KERNEL_DTYPE)
-    if cpu_int4.supports(scale_zero.shape[1], xb.shape[1]):
-        return cpu_int4.int4_mm(xb, packed, scale_zero).to(x.dtype)
+    return int4_mm_bf16(xb, linear).to(x.dtype)
+
+
+def int4_mm_bf16(x: torch.Tensor, linear: Int4Linear | Int8Linear) -> torch.Tensor:
+    """bfloat16 x [M, K] times the 4-bit weight, [M, N] bfloat16, in its layout's kernels."""
+    scale_zero = linear.scale_zero
+    if linear.tiles is not None:
+        return cpu_int4.tiles_mm(x, linear.tiles, scale_zero.shape[1])
+    assert linear.packed is not None  # one of the two layouts is always kept
+    if cpu_int4.supports(scale_zero.shape[1], x.shape[1]):
+        return cpu_int4.int4_mm(x, linear.packed, scale_zero)
     y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(  # torch.ops is typed Any
-        xb, packed, INT4_GROUP, scale_zero)
-    return y.to(x.dtype)
+        x, linear.packed, INT4_GROUP, scale_zero)
+    return y
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str) -> Linear:

@@ -22,8 +22,8 @@
 #include "cpu_team.h"
 #include "cpu_vec.h"
 
-/* One matmul: int4 (w: torch's packed codes, scale_zero) or dense (w [n, k] in the rows'
- * dtype), no bias. */
+/* One matmul: int4 (1: w torch's packed codes, scale_zero; 2: w the AMX tiles' layout,
+ * kernels/cpu_int4_tiles.c) or dense (0: w [n, k] in the rows' dtype), no bias. */
 typedef struct {
     const void *w;
     const uint16_t *scale_zero;
@@ -83,7 +83,9 @@ static const float *matmul_input(const step_plan *s, const step_matmul *m, const
 /* The team part of y = x W^T, x from matmul_input. */
 static void matmul_team(const step_plan *s, const step_matmul *m, const float *xf, void *y,
                         int *status) {
-    if (m->int4)
+    if (m->int4 == 2)
+        kvscope_int4_tiles_team(y, 1, xf, m->w, s->rows, m->n, m->k, status);
+    else if (m->int4)
         kvscope_int4_team(y, 1, xf, m->w, m->scale_zero, s->rows, m->n, m->k);
     else
         kvscope_gemm_team(y, (int)s->io, xf, m->w, (int)s->io, NULL, s->rows, m->n, m->k,

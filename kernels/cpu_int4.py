@@ -1,16 +1,25 @@
-"""4-bit weights on the CPU through the native kernel (kernels/cpu_int4_gemm.c), reading the
-very tensors torch's `_weight_int4pack_mm_for_cpu` takes and giving its bits.
+"""4-bit weights on the CPU: two families of kernels, one per process.
 
-Both compute the same chain for every output (bfloat16 input, each weight (code - 8) *
-scale + zero from a bfloat16 scale and zero per 32 inputs, float32 sums in input order,
-bfloat16 output), so the choice between them is speed alone, measured per weight shape, row
-bucket and thread count on first use (kernels.kernel_choice). torch's kernel pays the
-dequantization again every few rows and the native one shares it over up to 12, so the
-native one tends to win at the 2-16 rows of a batched decode or a speculative verify and
-torch's at one row; which, where, is this machine's measurement.
+- "fma": the native FMA kernel (kernels/cpu_int4_gemm.c) and torch's
+  `_weight_int4pack_mm_for_cpu`, on torch's packed tensors. Both compute the same chain for
+  every output (bfloat16 input, each weight (code - 8) * scale + zero from a bfloat16 scale
+  and zero per 32 inputs, float32 sums in input order, bfloat16 output), so the choice
+  between them is speed alone, measured per weight shape, row bucket and thread count on
+  first use (kernels.kernel_choice). torch's kernel pays the dequantization again every few
+  rows and the native one shares it over up to 12.
+- "tiles": the AMX kernel (kernels/cpu_int4_tiles.c) on its own layout of the same bytes.
+  Its sums round unlike the FMA chain's (last bits of some outputs), so it runs at every row
+  count or not at all: a speculative verify's rows must round as the plain decodes of the
+  same positions do. From a few rows up it is 1.5-3.5x the FMA kernel's speed; at one row
+  about even.
+
+family() decides once per process: KVSCOPE_INT4_KERNELS=fma|tiles, else measured per machine
+(tiles_pay: the tiles where one row costs at most ONE_ROW_SLACK x the FMA kernel's, and a
+verify's rows less), else "fma" where there are no tiles.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -95,3 +104,108 @@ def candidates(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor
     if torch.get_num_threads() > 1:
         got[SERIAL] = lambda: native_int4(rows, packed, scale_zero, parallel=False)
     return got
+
+
+# -- the AMX tiles' kernels (kernels/cpu_int4_tiles.c) ---------------------------------------
+# Their sums round unlike the FMA chain's, so one family runs every row count (a speculative
+# verify's rows must round as the plain decodes of the same positions): "fma" (the native FMA
+# kernel and torch's, which give the same bits) or "tiles". KVSCOPE_INT4_KERNELS=fma|tiles
+# decides it; otherwise it is measured once per machine (family()).
+FMA, TILES = "fma", "tiles"
+FAMILY_ENV = "KVSCOPE_INT4_KERNELS"
+BLOCK_GROUP_BYTES = 1280  # per 64 outputs and 32 inputs: 1024 bytes of codes, 256 of scales
+# The tiles are taken only when a single row (one chat's decode) costs at most this much more
+# than on the FMA kernel, and a speculative verify's rows (SAMPLE_ROWS[1]) less.
+ONE_ROW_SLACK = 1.03
+SAMPLE_SHAPE = (1536, 576)  # SmolLM2's gate/up projection: a small model's typical matmul
+SAMPLE_ROWS = (1, 5)
+# A decode step reads weights that are not in the core's caches: the sample cycles through
+# more bytes than two cores' L2 (12 x 0.65 MB here) rather than timing one hot weight.
+SAMPLE_WEIGHTS = 12
+_family: str | None = None
+
+
+def tiles_ready() -> bool:
+    """Built with AMX, and the kernel granted the tiles to this process."""
+    lib = native.library()
+    return lib is not None and bool(lib.kvscope_int4_tiles_ready())
+
+
+def pack_tiles(packed: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
+    """torch's packed codes and scale_zero in the tiles' layout (the same bytes, reordered)."""
+    n, k = scale_zero.shape[1], scale_zero.shape[0] * GROUP
+    out = torch.empty(n // BLOCK * (k // GROUP) * BLOCK_GROUP_BYTES, dtype=torch.uint8)
+    native.require_library().kvscope_int4_tiles_pack(
+        out.data_ptr(), packed.contiguous().data_ptr(), scale_zero.contiguous().data_ptr(), n, k)
+    return out
+
+
+def tiles_mm(x: torch.Tensor, tiles: torch.Tensor, n: int) -> torch.Tensor:
+    """x [M, K] (float32 or bfloat16, rounded to bfloat16) times the weight in the tiles'
+    layout, [M, n] bfloat16."""
+    x = x.contiguous()
+    m, k = x.shape
+    y = torch.empty((m, n), dtype=torch.bfloat16)
+    status = native.require_library().kvscope_int4_tiles_gemm(
+        y.data_ptr(), KINDS[torch.bfloat16], x.data_ptr(), KINDS[x.dtype], tiles.data_ptr(),
+        m, n, k, 1)
+    if status:
+        raise MemoryError("the CPU int4 tiles kernel could not allocate its scratch"
+                          if status == 1 else "the CPU int4 tiles kernel has no AMX here")
+    return y
+
+
+def family() -> str:
+    """Which int4 kernels this process runs: fixed for its life (bits must not change under a
+    running engine)."""
+    global _family
+    if _family is None:
+        _family = _decide_family()
+    return _family
+
+
+def _decide_family() -> str:
+    forced = os.environ.get(FAMILY_ENV)
+    if forced is not None:
+        if forced not in (FMA, TILES):
+            raise ValueError(f"{FAMILY_ENV}={forced!r}: expected {FMA!r} or {TILES!r}")
+        if forced == TILES and not tiles_ready():
+            raise ValueError(f"{FAMILY_ENV}=tiles, but this CPU or kernel gives no AMX tiles")
+        return forced
+    if not native.available() or not tiles_ready():
+        return FMA
+    chooser = kernel_choice.default()
+    weights = [_sample_weight(*SAMPLE_SHAPE, seed) for seed in range(SAMPLE_WEIGHTS)]
+    tiles = [pack_tiles(packed, scale_zero) for packed, scale_zero in weights]
+    n = SAMPLE_SHAPE[0]
+    times: dict[int, dict[str, float]] = {}
+    for rows in SAMPLE_ROWS:
+        x = torch.randn(rows, SAMPLE_SHAPE[1]).to(torch.bfloat16)
+        candidates = {FMA: lambda x=x: [native_int4(x, p, sz) for p, sz in weights],
+                      TILES: lambda x=x: [tiles_mm(x, t, n) for t in tiles]}
+        name = f"int4 kernels {SAMPLE_WEIGHTS}x{SAMPLE_SHAPE[0]}x{SAMPLE_SHAPE[1]} rows{rows} " \
+               f"{kernel_choice.threads_name(torch.get_num_threads())}"
+        info = {"op": "int4-kernels", "dtype": "int4", "shape": "x".join(map(str, SAMPLE_SHAPE)),
+                "rows": str(rows), "threads": torch.get_num_threads()}
+        chooser.choose(name, candidates, info)
+        got = chooser.decision(name)
+        times[rows] = got.times_ms if got is not None else {}
+    return TILES if tiles_pay(times) else FMA
+
+
+def tiles_pay(times: dict[int, dict[str, float]]) -> bool:
+    """The rule on the measured times (ms per call, by rows then family): the tiles at most
+    ONE_ROW_SLACK x the FMA kernel at one row, and faster at a verify's rows."""
+    one, verify = (times.get(r, {}) for r in SAMPLE_ROWS)
+    if not all(f in t for t in (one, verify) for f in (FMA, TILES)):
+        return False
+    return one[TILES] <= ONE_ROW_SLACK * one[FMA] and verify[TILES] < verify[FMA]
+
+
+def _sample_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random 4-bit weight in torch's layout (codes and bfloat16 scale and zero)."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    scale_zero = (torch.rand(k // GROUP, n, 2, generator=g) * 0.01).to(torch.bfloat16)
+    return packed, scale_zero

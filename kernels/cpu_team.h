@@ -53,6 +53,10 @@ void kvscope_int4_round_rows(float *xf, const void *x, int x_kind, int64_t count
 void kvscope_int4_team(void *y, int y_kind, const float *xf, const uint8_t *codes,
                        const uint16_t *scale_zero, int64_t M, int64_t N, int64_t K);
 
+/* The int4 matmul on AMX tiles (kernels/cpu_int4_tiles.c), on its own layout. */
+int kvscope_int4_tiles_ready(void);
+void kvscope_int4_tiles_team(void *y, int y_kind, const float *xf, const uint8_t *tiles,
+                             int64_t M, int64_t N, int64_t K, int *status);
 /* The dense small-row matmul (kernels/cpu_small_gemm.c): xf [M, K] float32
  * (kvscope_gemm_widen_rows). */
 void kvscope_gemm_widen_rows(float *xf, const void *x, int x_kind, int64_t count);

@@ -146,6 +146,12 @@ class Chooser:
                 self.decisions.pop(n, None)
             self._fast.clear()
 
+    def decision(self, name: str) -> Decision | None:
+        """The decision made (or cached) under `name`, with its times."""
+        with self._lock:
+            self._load()
+            return self.decisions.get(name)
+
     def table(self) -> list[Decision]:
         with self._lock:
             self._load()

@@ -27,7 +27,7 @@ HERE = Path(__file__).parent
 SOURCES = (HERE / "cpu_decode_attention.c", HERE / "cpu_decode_glue.c",
            HERE / "cpu_small_gemm.c", HERE / "cpu_int4_gemm.c", HERE / "cpu_kv_write.c",
            HERE / "cpu_decode_step.c", HERE / "cpu_amx_gemm.c",
-           HERE / "cpu_dpbf16_gemm.c")
+           HERE / "cpu_dpbf16_gemm.c", HERE / "cpu_int4_tiles.c")
 # not compiled on their own, but part of the cache key
 HEADERS = (HERE / "cpu_vec.h", HERE / "cpu_team.h", HERE / "cpu_glue.h")
 ENV = "KVSCOPE_CPU_KERNELS"
@@ -52,6 +52,9 @@ SIGNATURES = {
     "kvscope_add_normed_rms_norm": [P, P, P, P, F32, P, I64, I64, INT],
     "kvscope_gemm": [P, INT, P, INT, P, INT, P, I64, I64, I64, INT, INT],  # ..., parallel, paths
     "kvscope_int4_gemm": [P, INT, P, INT, P, P, I64, I64, I64, INT],
+    "kvscope_int4_tiles_gemm": [P, INT, P, INT, P, I64, I64, I64, INT],
+    "kvscope_int4_tiles_pack": [P, P, P, I64, I64],
+    "kvscope_int4_tiles_ready": [],
     "kvscope_kv_write": [P, I64, I64, I64, P, P, P, P, P, P, INT],
     # ..., kind, io, R, shift, gain, q_gain (the KV pool's kind and transforms)
     "kvscope_rope_write_kv": [P, I64, P, P, P, I64, P, P, F32, P, P, P, P, P, P, I64, I64, I64,
@@ -65,6 +68,7 @@ SIGNATURES = {
 
 
 RETURNS_STATUS = ("kvscope_paged_decode", "kvscope_gemm", "kvscope_int4_gemm",
+                  "kvscope_int4_tiles_gemm", "kvscope_int4_tiles_ready",
                   "kvscope_decode_step", "kvscope_amx_ready",
                   "kvscope_amx_fits", "kvscope_dpbf16_fits")
 

@@ -1,6 +1,8 @@
 """kernels/cpu_int4.py (the native int4 matmul on torch's packed tensors) against torch's
 `_weight_int4pack_mm_for_cpu`, bit for bit, across its tiles (up to 6 rows a tile, 4 and 2
 output tiles of 16, 64-output blocks), and against float64 of the dequantized weights."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -74,4 +76,5 @@ def test_the_int4_linear_gives_the_same_bits_through_the_chooser():
     _, _, packed, sz = weight(128, 64)
     x = torch.randn(5, 64)
     want = cpu_int4.torch_int4(x.bfloat16(), packed, sz).float()
-    assert torch.equal(int4_mm(x, packed, sz), want)
+    in_torchs_layout = SimpleNamespace(packed=packed, tiles=None, scale_zero=sz)
+    assert torch.equal(int4_mm(x, in_torchs_layout), want)
