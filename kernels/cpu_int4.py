@@ -185,7 +185,7 @@ def _decide_family() -> str:
                       TILES: lambda x=x: [tiles_mm(x, t, n) for t in tiles]}
         name = f"int4 kernels {SAMPLE_WEIGHTS}x{SAMPLE_SHAPE[0]}x{SAMPLE_SHAPE[1]} rows{rows} " \
                f"{kernel_choice.threads_name(torch.get_num_threads())}"
-        info = {"op": "int4-kernels", "dtype": "int4", "shape": "x".join(map(str, SAMPLE_SHAPE)),
+        info = {"op": "family", "dtype": "int4", "shape": "x".join(map(str, SAMPLE_SHAPE)),
                 "rows": str(rows), "threads": torch.get_num_threads()}
         chooser.choose(name, candidates, info)
         got = chooser.decision(name)
