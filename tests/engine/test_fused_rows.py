@@ -141,7 +141,8 @@ def test_speculative_verifies_fuse_at_any_depth():
     meta = AttentionMetadata([0, k], [fused_rows.MAX_KEYS], torch.zeros(1, 1, dtype=torch.long),
                              torch.arange(k), [], [0], verify_seqs=frozenset({0}))
     assert fused_rows.prompt_rows(meta) == (0, 0) and fused_rows.fits(meta)
-    many = AttentionMetadata([0, k, 2 * k], [6000, 6000], torch.zeros(2, 1, dtype=torch.long),
+    ctx = fused_rows.MAX_KEYS // 4  # the chunk's 5 rows read 1.25x MAX_KEYS
+    many = AttentionMetadata([0, k, 2 * k], [ctx, ctx], torch.zeros(2, 1, dtype=torch.long),
                              torch.arange(2 * k), [], [0, 1], verify_seqs=frozenset({0}))
-    assert fused_rows.prompt_rows(many) == (k, k * 6000 - k * (k - 1) // 2)
+    assert fused_rows.prompt_rows(many) == (k, k * ctx - k * (k - 1) // 2)
     assert not fused_rows.fits(many)
