@@ -2,6 +2,8 @@
 Triton under its CPU interpreter."""
 import os
 
+import pytest
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -17,3 +19,13 @@ os.environ.setdefault("KVSCOPE_CACHE_DIR", os.path.join(os.path.dirname(os.path.
 # pytest` put first on sys.path, behind site-packages, so its kernels/ folder cannot stand in
 # for the `kernels` distribution transformers imports (kvscope/__init__.py).
 import kvscope  # noqa: E402,F401
+
+
+@pytest.fixture(scope="session", autouse=True)
+def int4_kernel_family() -> str:
+    """The 4-bit kernels' family is fixed per process (kernels/cpu_int4.family): decided here,
+    with the real chooser, before any test fakes the chooser's timings, so the order tests run
+    in does not decide it. Tests of one family's behaviour pin it with monkeypatch."""
+    from kvscope.kernels import cpu_int4
+
+    return cpu_int4.family()

@@ -83,7 +83,11 @@ def test_the_table_names_the_cpu_and_each_decision(tiny, capsys, fake_chooser):
 
 
 def test_4bit_weights_choose_between_torch_and_the_native_int4_kernel(tiny, capsys,
-                                                                       fake_chooser):
+                                                                       fake_chooser,
+                                                                       monkeypatch):
+    from kvscope.kernels import cpu_int4
+
+    monkeypatch.setattr(cpu_int4, "_family", cpu_int4.FMA)  # torch's layout: per-bucket choices
     got = kernels(tiny, capsys, "--weights", "int4")
     int4 = [d for d in got["decisions"] if d["op"] == "int4"]
     # the layers' four shapes at each decode bucket and prefill; the head (256x64) is int8,
@@ -102,6 +106,30 @@ def test_4bit_weights_choose_between_torch_and_the_native_int4_kernel(tiny, caps
         == {"cached"}
     dense = kernels(tiny, capsys)  # float32 KV: no attention decision
     assert not [d for d in dense["decisions"] if d["op"] == "attn"]
+
+
+def test_4bit_weights_on_the_tiles_have_no_per_bucket_choice(tiny, capsys, fake_chooser,
+                                                            monkeypatch):
+    """The tiles' layout has one kernel: no int4 decision per shape and bucket is made, and the
+    family's own decision is listed where this process made it."""
+    from kvscope.kernels import cpu_int4, native
+
+    if not (native.available() and cpu_int4.tiles_ready()):
+        pytest.skip("no AMX tiles on this CPU")
+    monkeypatch.setattr(cpu_int4, "_family", cpu_int4.TILES)
+    got = kernels(tiny, capsys, "--weights", "int4")
+    assert not [d for d in got["decisions"] if d["op"] == "int4"]
+    assert not fake_chooser or all("fma" not in c for c in fake_chooser)
+    monkeypatch.setattr(cpu_int4, "_family", None)  # decided again: under the fake timings
+    monkeypatch.setattr(cpu_int4, "SAMPLE_WEIGHTS", 1)
+    fake = {"fma": 2e-3, "tiles": 1e-3}
+    monkeypatch.setattr(kernel_choice.Chooser, "measure",
+                        lambda self, candidates: {n: fake[n] for n in candidates})
+    assert cpu_int4.family() == cpu_int4.TILES
+    got = kernels(tiny, capsys, "--weights", "int4")
+    family = [d for d in got["decisions"] if d["op"] == "family"]
+    assert {d["rows"] for d in family} == {"1", "5"} and {d["choice"] for d in family} == {
+        "tiles"}
 
 
 def test_the_decode_attention_splits_this_machine_decided_are_listed(tiny, capsys,

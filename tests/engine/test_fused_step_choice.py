@@ -111,6 +111,7 @@ def test_a_4bit_torch_choice_is_replaced_by_the_native_kernel(tiny, monkeypatch)
     the one region."""
     from kvscope.kernels import cpu_int4
 
+    monkeypatch.setattr(cpu_int4, "_family", cpu_int4.FMA)  # torch's layout, torch a choice
     model = make_llm(tiny, "int4").engine.model
     matmuls = [model.layers[0].qkv, model.layers[0].gate_up]
     torch_shape = tuple(matmuls[1].shape)
@@ -119,5 +120,21 @@ def test_a_4bit_torch_choice_is_replaced_by_the_native_kernel(tiny, monkeypatch)
     assert fused_one_region.chosen_paths(matmuls, 4, torch.bfloat16) is None
     assert fused_one_region.paths_instead_of_torch(matmuls, 4, torch.bfloat16) == {}
     monkeypatch.setattr(cpu_int4, "implementation", lambda r, n, k: cpu_int4.NATIVE)
+    assert fused_one_region.chosen_paths(matmuls, 4, torch.bfloat16) == {}
+    assert fused_one_region.paths_instead_of_torch(matmuls, 4, torch.bfloat16) is None
+
+
+def test_4bit_weights_on_the_tiles_need_no_choice(tiny, monkeypatch):  # noqa: F811
+    """The tiles' layout has one kernel: the step runs as one region with nothing chosen for
+    its 4-bit matmuls, and a per-bucket int4 choice is never asked for."""
+    from kvscope.kernels import cpu_int4
+
+    if not (native.available() and cpu_int4.tiles_ready()):
+        pytest.skip("no AMX tiles on this CPU")
+    monkeypatch.setattr(cpu_int4, "_family", cpu_int4.TILES)
+    model = make_llm(tiny, "int4").engine.model
+    matmuls = [model.layers[0].qkv, model.layers[0].gate_up]
+    assert all(m.tiles is not None and m.packed is None for m in matmuls)
+    monkeypatch.setattr(cpu_int4, "implementation", lambda r, n, k: None)  # nothing chosen
     assert fused_one_region.chosen_paths(matmuls, 4, torch.bfloat16) == {}
     assert fused_one_region.paths_instead_of_torch(matmuls, 4, torch.bfloat16) is None
