@@ -20,7 +20,7 @@ ENGINE_OPTIONS = {  # option -> takes a value (passed through to the engine chil
     "--no-prefix-caching": False, "--seed": True, "--state-hz": True, "--metrics-port": True,
     "--http-port": True, "--scheduling-policy": True, "--priority-aging-s": True,
     "--max-prefill-tokens-while-decoding": True, "--priority-lower-tokens": True,
-    "--priority-hold-s": True,
+    "--priority-hold-s": True, "--priority-step-stretch": True,
 }
 STYLE = Path(__file__).resolve().parent.parent / "resources" / "style.qss"
 
@@ -94,6 +94,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     g.add_argument("--max-prefill-tokens-while-decoding", type=int, metavar="N")
     g.add_argument("--priority-lower-tokens", type=int, metavar="N")
     g.add_argument("--priority-hold-s", type=float, metavar="S")
+    g.add_argument("--priority-step-stretch", type=float, metavar="X")
     g.add_argument("--metrics-port", type=int, metavar="P",
                    help="the engine serves Prometheus metrics on 127.0.0.1:P/metrics")
     g.add_argument("--http-port", type=int, metavar="P",

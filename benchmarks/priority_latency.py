@@ -14,8 +14,9 @@ a ZeroMQ `reconfigure`, the server and its model stay), three phases of --second
   sends its next request when the last ended), prompts of --bg-min-words..--bg-max-words
   random words, --bg-tokens tokens out, at priority 0;
 * beside: both at once; under "priority", once per --lower-tokens value (the server's
-  priority_lower_tokens, switched in place: 0 = protected steps off), against the same idle
-  and alone phases (neither has two priorities live, so the knob does not act in them).
+  priority_lower_tokens, switched in place: 0 = protected steps off) and --step-stretch value
+  (priority_step_stretch), against the same idle and alone phases (neither has two
+  priorities live, so the knobs do not act in them).
 
 The alone and beside phases run over one background that runs throughout, in --cycles
 alternating windows (seconds / cycles each; mirrored order every other round: alone, beside
@@ -80,7 +81,8 @@ log = progress_logger("priority_latency")
 # judged beside its output tokens, which carry over between windows
 TARGETS = {"ttft_p99": 1.5, "itl_p99": 2.0, "bg_tokens_per_s": 0.9, "bg_work_per_s": 0.9}
 SETTINGS_SHOWN = ("scheduling_policy", "max_num_seqs", "max_num_batched_tokens",
-                  "max_prefill_tokens_while_decoding", "priority_lower_tokens", "priority_hold_s")
+                  "max_prefill_tokens_while_decoding", "priority_lower_tokens", "priority_hold_s",
+                  "priority_step_stretch")
 
 
 async def phase(url: str, load: Load, seconds: float, fg: bool, bg: bool) -> dict:
@@ -232,19 +234,27 @@ def ratios(idle: dict, alone: dict, beside: dict) -> dict:
     return {"ratios": got, "meets": meets}
 
 
-def beside_setups(client, policy: str, lower_tokens: list[int] | None
-                  ) -> dict[str, Callable[[], None]]:
-    """The beside phases: one, or under "priority" one per priority_lower_tokens value (the
-    server's setting switched in place before each of its windows)."""
-    if policy != "priority" or not lower_tokens:
-        return {"beside": lambda: None}
-    return {f"beside:{n}": (lambda n=n: client.reconfigure(priority_lower_tokens=n))
-            for n in lower_tokens}
+def beside_setups(client, policy: str, lower_tokens: list[int] | None,
+                  stretches: list[float] | None = None
+                  ) -> dict[str, tuple[Callable[[], None], dict]]:
+    """The beside phases: one, or under "priority" one per priority_lower_tokens value and
+    priority_step_stretch value (the server's settings switched in place before each of its
+    windows), each with the settings it switches to."""
+    if policy != "priority" or not (lower_tokens or stretches):
+        return {"beside": (lambda: None, {})}
+    out = {}
+    for n in lower_tokens or [None]:
+        for x in stretches or [None]:
+            changes = {k: v for k, v in (("priority_lower_tokens", n),
+                                         ("priority_step_stretch", x)) if v is not None}
+            name = "beside:" + "x".join(f"{v:g}" for v in changes.values())
+            out[name] = ((lambda c=changes: client.reconfigure(**c)), changes)
+    return out
 
 
 def bench(serve_args: list[str], policies: list[str], load: Load, seconds: float,
           threads: int | None, lower_tokens: list[int] | None = None,
-          cycles: int = 3) -> dict:
+          cycles: int = 3, stretches: list[float] | None = None) -> dict:
     from kvscope.ipc import EngineClient
 
     proc, command, state = start_server(["--http-port", "0", *serve_args], threads)
@@ -256,13 +266,15 @@ def bench(serve_args: list[str], policies: list[str], load: Load, seconds: float
             asyncio.run(phase(url, load, min(2.0, seconds), fg=True, bg=True))
             for policy in policies:
                 settings = client.reconfigure(scheduling_policy=policy)
-                default_lower = getattr(settings, "priority_lower_tokens", 0)
+                defaults = {k: getattr(settings, k, None) for k in
+                            ("priority_lower_tokens", "priority_step_stretch")}
                 runs = {}
                 log(f"{policy}: idle ({seconds:g} s)")
                 runs["idle"] = measured(url, load, seconds, True, False)
                 # the alone baseline at full batch: after the hold the idle chats started
                 time.sleep(getattr(settings, "priority_hold_s", 0.0))
-                besides = beside_setups(client, policy, lower_tokens)
+                phases = beside_setups(client, policy, lower_tokens, stretches)
+                besides = {name: setup for name, (setup, _) in phases.items()}
                 log(f"{policy}: alone and {', '.join(besides)} in {cycles} alternating rounds "
                     f"({seconds:g} s each)")
                 runs.update(asyncio.run(interleaved(
@@ -271,8 +283,8 @@ def bench(serve_args: list[str], policies: list[str], load: Load, seconds: float
                 for name in runs:
                     if name != "idle":
                         runs[name]["bg_work_per_s"] = background_work(runs["idle"], runs[name])
-                if policy == "priority" and lower_tokens:
-                    client.reconfigure(priority_lower_tokens=default_lower)
+                if policy == "priority" and (lower_tokens or stretches):
+                    client.reconfigure(**{k: v for k, v in defaults.items() if v is not None})
                 for name in [n for n in runs if n.startswith("beside")]:
                     key = policy if name == "beside" else f"{policy}:{name[7:]}"
                     out[key] = {"idle": runs["idle"], "alone": runs["alone"],
@@ -280,8 +292,7 @@ def bench(serve_args: list[str], policies: list[str], load: Load, seconds: float
                                 **ratios(runs["idle"], runs["alone"], runs[name]),
                                 "settings": {k: getattr(settings, k, None) for k in
                                              SETTINGS_SHOWN}}
-                    if name != "beside":
-                        out[key]["settings"]["priority_lower_tokens"] = int(name[7:])
+                    out[key]["settings"].update(phases[name][1])
     finally:
         proc.terminate()
         proc.wait(30)
@@ -351,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lower-tokens", default="",
                    help="comma-separated priority_lower_tokens values: under priority, one "
                         "beside phase for each (default: the server's setting only)")
+    p.add_argument("--step-stretch", default="",
+                   help="comma-separated priority_step_stretch values: under priority, one "
+                        "beside phase for each (and each --lower-tokens value)")
     add_load_options(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server-threads", type=int, default=None,
@@ -368,6 +382,12 @@ def main(argv: list[str] | None = None) -> int:
         lower_tokens = [-1]
     if any(n < 0 for n in lower_tokens):
         problems.append("--lower-tokens must be integers >= 0")
+    try:
+        stretches = [float(x) for x in args.step_stretch.split(",") if x.strip()]
+    except ValueError:
+        stretches = [0.0]
+    if any(not 1 <= x < float("inf") for x in stretches):
+        problems.append("--step-stretch must be numbers >= 1")
     if not policies:
         problems.append("--policies names no policy")
     if problems:
@@ -376,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     load = Load(args.fg_interval, args.fg_tokens, args.fg_priority, args.bg_streams,
                 (args.bg_min_words, args.bg_max_words), args.bg_tokens, args.seed)
     result = bench(serve_args, policies, load, args.seconds, args.server_threads,
-                   lower_tokens, args.cycles)
+                   lower_tokens, args.cycles, stretches)
     print_result(result, table, args.json, table_to_stderr=True)
     return 0
 

@@ -58,7 +58,18 @@ DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING = 32
 # windows later that day, 7 %: 0.83x -> 0.76x of the background alone). It used to cost the
 # background 0.3-0.6x, while float32 KV left its prompts short of memory.
 DEFAULT_PRIORITY_LOWER_TOKENS = 8
-DEFAULT_PRIORITY_HOLD_S = 5.0
+# ... and more while the step's predicted time (engine/step_cost.py, learned from the steps
+# run) stays within this many times what the urgent decodes cost alone; 1 = the tokens only.
+# 3, measured in 60-second windows (docs/scheduling.md, 2026-12-06 21:45): at 1 the
+# background kept 0.72x of its output alone, at 3 0.77x with the chat's ITL p99 1.72x idle
+# (2x asked), at 3.5 0.83x but 2.45x.
+DEFAULT_PRIORITY_STEP_STRETCH = 3.0
+# Protected steps went on this long after the urgent requests left, so a chat's next turn
+# started within a short step. Since a step of only less urgent work gives way to an urgent
+# arrival (engine/step_interrupt.py) that costs the background more than it saves: with the
+# 4-bit tiles, 5 s kept it at 0.51x of its output alone, 0 at 0.68x, the chat's TTFT p99
+# 1.34x and 1.04x idle (docs/scheduling.md). 0 by default.
+DEFAULT_PRIORITY_HOLD_S = 0.0
 # Speculative decoding from the context (engine/spec_ngram.py, docs/speculative.md): "off" or
 # "ngram" (prompt lookup, vLLM's names and defaults for K and the n-gram lengths).
 SPECULATIVE_METHODS = ("off", "ngram")
@@ -95,6 +106,7 @@ class EngineConfig:
     max_prefill_tokens_while_decoding: int = DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING
     priority_lower_tokens: int = DEFAULT_PRIORITY_LOWER_TOKENS
     priority_hold_s: float = DEFAULT_PRIORITY_HOLD_S
+    priority_step_stretch: float = DEFAULT_PRIORITY_STEP_STRETCH
     speculative_method: str = "off"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
@@ -174,6 +186,12 @@ class EngineConfig:
                 or not 0 <= hold < float("inf"):
             _fail("priority_hold_s", hold, "a number of seconds >= 0")
         self.priority_hold_s = float(hold)  # the wire's type (EngineSettings)
+        stretch = self.priority_step_stretch
+        if isinstance(stretch, bool) or not isinstance(stretch, (int, float)) \
+                or not 1 <= stretch < float("inf"):
+            _fail("priority_step_stretch", stretch,
+                  "a number >= 1 (1 = the lower tokens only)")
+        self.priority_step_stretch = float(stretch)
 
     def to_dict(self) -> dict[str, str | int | bool | None]:
         return asdict(self)

@@ -44,6 +44,7 @@ from kvscope.engine.scheduler import (
 )
 from kvscope.engine.sequence import Sequence
 from kvscope.engine.spec_decode import SPEC_SETTINGS, SpecDecoder
+from kvscope.engine.step_cost import step_shape
 from kvscope.engine.step_interrupt import (
     StepInterrupt,
     StepInterrupted,
@@ -320,6 +321,7 @@ class LLMEngine:
         return self._step()
 
     def _step(self) -> StepResult:
+        started = time.perf_counter()
         if self.reclaim_window:
             self._free_behind_window()
         bm = self.block_manager
@@ -334,6 +336,7 @@ class LLMEngine:
         if not batch:
             return StepResult(deltas, [])
         drafted = self._draft(batch)
+        shape = step_shape((item.seq.num_computed_tokens, item.num_tokens) for item in batch)
         try:
             logits = self.runner.run(batch, drafted)
         except StepInterrupted:
@@ -353,6 +356,7 @@ class LLMEngine:
             deltas += self._append_tokens(sampling, sample(logits, sampling))
         self.spec.end_step(sum(len(d.token_ids) for d in deltas))
         self.num_steps += 1
+        self.scheduler.step_cost.observe(shape, time.perf_counter() - started)
         return StepResult(deltas, batch)
 
     def _arm_interrupt(self, batch: list[ScheduledSeq]) -> None:

@@ -1,7 +1,10 @@
 """The protected step's allowance for less urgent work (Scheduler, priority_lower_tokens > 0).
 
-A protected step carries at most `priority_lower_tokens` tokens of the less urgent work. They
-are handed out round-robin before the step is formed: each less urgent running request whose
+A protected step carries `priority_lower_tokens` tokens of the less urgent work, and more
+while the step's predicted time stays within `priority_step_stretch` times the urgent work's
+own (engine/step_cost.py: the seconds a decode or a prompt chunk adds, learned from the steps
+run). The tokens and the seconds are handed out together, round-robin, before the step is
+formed: each less urgent running request whose
 turn it is gets a promise of its next tokens, and the less urgent head of the waiting queue,
 when its turn comes, a reserve for its admission. A promise is kept for its own request only:
 a less urgent request admitted in the same step (one that sorts before a running one, or
@@ -14,6 +17,26 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from kvscope.engine.sequence import Sequence
+from kvscope.engine.step_cost import StepCost
+
+
+@dataclass(slots=True)
+class TimeAllowance:
+    """Seconds of predicted work a protected step may still add beyond its token allowance;
+    a prompt chunk's turn is worth at most `chunk_cap` tokens (the step's prefill cap)."""
+
+    cost: StepCost
+    seconds: float
+    chunk_cap: int
+
+    def take(self, seq: Sequence, want: int) -> int:
+        """Tokens of seq's next `want` that fit in what is left (not charged)."""
+        if want > 1:
+            want = min(want, self.chunk_cap)
+        return self.cost.tokens_within(seq.num_computed_tokens, want, self.seconds)
+
+    def charge(self, seq: Sequence, num_tokens: int) -> None:
+        self.seconds -= self.cost.work_seconds(seq.num_computed_tokens, num_tokens)
 
 
 @dataclass(slots=True)
@@ -52,14 +75,18 @@ class LowerAllowance:
 
 
 def hand_out_turns(allowance: int, lower_running: list[Sequence], lower_head: Sequence | None,
-                   last_turn: dict[Sequence, int], stamps: Iterator[int]) -> LowerAllowance:
+                   last_turn: dict[Sequence, int], stamps: Iterator[int],
+                   within: TimeAllowance | None = None) -> LowerAllowance:
     """Promise the step's allowance to the less urgent requests whose last turn is the longest
     ago (a decode is a token, a prefill chunk up to all of it); lower_head, the waiting queue's
     head when it is less urgent, takes part (else the running ones' decodes would spend every
     allowance and it would wait, and the urgent requests queued behind it, until they
     finished). Records the next of `stamps` (rising) as the last turn of each one served, in
     the order served: two served in one step are not tied in the next, so the order rotates
-    even when the allowance does not divide their number."""
+    even when the allowance does not divide their number. `within`: the seconds the step may
+    add besides; each turn takes what the tokens or the seconds left allow, whichever is more,
+    and is charged to both (the tokens are a floor that holds while the model is still
+    learning, or where the urgent work alone fills the step)."""
     candidates = list(lower_running)
     if lower_head is not None:
         candidates.append(lower_head)
@@ -67,9 +94,13 @@ def hand_out_turns(allowance: int, lower_running: list[Sequence], lower_head: Se
     result = LowerAllowance()
     left = allowance
     for seq in candidates:
-        if left <= 0:
+        if left <= 0 and (within is None or within.seconds <= 0):
             break
-        take = min(left, seq.num_tokens - seq.num_computed_tokens)
+        want = seq.num_tokens - seq.num_computed_tokens
+        take = min(max(left, 0), want)
+        if within is not None:
+            take = max(take, within.take(seq, want))
+            within.charge(seq, take)
         if take <= 0:
             continue
         last_turn[seq] = next(stamps)
@@ -78,5 +109,5 @@ def hand_out_turns(allowance: int, lower_running: list[Sequence], lower_head: Se
         else:
             result.promised[seq] = take
         left -= take
-    result.free = left
+    result.free = max(left, 0)
     return result

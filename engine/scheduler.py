@@ -20,14 +20,15 @@ Under both, when decodes are running the step's prefill tokens are capped
 next token back for its whole chunk.
 
 priority, protected steps (priority_lower_tokens > 0): while a request of strictly higher
-priority than others is live (running or waiting), or finished less than priority_hold_s ago
-(a chat's next turn comes within seconds), each step carries at most priority_lower_tokens
-tokens of the less urgent work, handed out round-robin over the less urgent running requests
-(then to their admissions), so the step, which every token in it waits for, stays close to
-the urgent requests' own step time. The urgent requests' prefill is not capped by the less
-urgent decodes. The less urgent head of the waiting queue takes turns too, so every less
-urgent running request gets a token within len(them) + len(waiting) steps (docs/scheduling.md
-has the measurements and what the background loses).
+priority than others is live (running or waiting), or finished less than priority_hold_s ago,
+each step carries priority_lower_tokens tokens of the less urgent work, and more while the
+step's predicted time (engine/step_cost.py, fitted to the steps run) stays within
+priority_step_stretch times what the urgent decodes cost alone, handed out round-robin over
+the less urgent running requests (then to their admissions), so the step, which every token
+in it waits for, stays close to the urgent requests' own step time. The urgent requests'
+prefill is not capped by the less urgent decodes. The less urgent head of the waiting queue
+takes turns too, so every less urgent running request gets a token within len(them) +
+len(waiting) steps (docs/scheduling.md has the measurements and what the background loses).
 """
 from __future__ import annotations
 
@@ -41,8 +42,9 @@ from dataclasses import dataclass
 from kvscope.engine.block_manager import BlockManager
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.preemption import REASONS, Preemption, blocks_needed, blocks_released
-from kvscope.engine.protected_steps import LowerAllowance, hand_out_turns
+from kvscope.engine.protected_steps import LowerAllowance, TimeAllowance, hand_out_turns
 from kvscope.engine.sequence import Sequence, SequenceStatus
+from kvscope.engine.step_cost import StepCost
 from kvscope.engine.waiting_queue import WaitingQueue
 
 POLICIES = ("fcfs", "priority")
@@ -50,7 +52,7 @@ POLICIES = ("fcfs", "priority")
 # applies them in place, keeping the pool, its prefix cache and both queues.
 SCHEDULING_SETTINGS = frozenset({"scheduling_policy", "priority_aging_s",
                                  "max_prefill_tokens_while_decoding", "priority_lower_tokens",
-                                 "priority_hold_s"})
+                                 "priority_hold_s", "priority_step_stretch"})
 
 
 @dataclass(slots=True)
@@ -71,6 +73,7 @@ class Scheduler:
                  max_num_batched_tokens: int, *, policy: str = "fcfs",
                  priority_aging_s: float = 0.0, max_prefill_tokens_while_decoding: int = 0,
                  priority_lower_tokens: int = 0, priority_hold_s: float = 0.0,
+                 priority_step_stretch: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -81,6 +84,10 @@ class Scheduler:
         self.max_prefill_tokens_while_decoding = 0
         self.priority_lower_tokens = 0
         self.priority_hold_s = 0.0
+        self.priority_step_stretch = 1.0
+        # What steps cost, learned from the ones run (the engine observes each): a protected
+        # step's time allowance is in its predicted seconds.
+        self.step_cost = StepCost()
         self.waiting = WaitingQueue()
         self.running: list[Sequence] = []
         self._running_priorities: Counter[int] = Counter()  # of the running requests
@@ -108,12 +115,12 @@ class Scheduler:
         # Requests finished by the scheduler itself (no room even alone); the engine reports them.
         self.finished_by_capacity: list[Sequence] = []
         self.configure(policy, priority_aging_s, max_prefill_tokens_while_decoding,
-                       priority_lower_tokens, priority_hold_s)
+                       priority_lower_tokens, priority_hold_s, priority_step_stretch)
 
     # -- settings --------------------------------------------------------------------------
     def configure(self, policy: str, priority_aging_s: float,
                   max_prefill_tokens_while_decoding: int, priority_lower_tokens: int = 0,
-                  priority_hold_s: float = 0.0) -> None:
+                  priority_hold_s: float = 0.0, priority_step_stretch: float = 1.0) -> None:
         """Change the policy knobs between steps; the queues are kept (and re-sorted)."""
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy {policy!r} is invalid: expected one of "
@@ -121,6 +128,7 @@ class Scheduler:
         self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
         self.priority_lower_tokens = priority_lower_tokens
         self.priority_hold_s = priority_hold_s
+        self.priority_step_stretch = priority_step_stretch
         if (policy, priority_aging_s) == (self.policy, self.priority_aging_s):
             return
         self.policy, self.priority_aging_s = policy, priority_aging_s
@@ -134,7 +142,7 @@ class Scheduler:
     def configure_from(self, config: EngineConfig) -> None:
         self.configure(config.scheduling_policy, config.priority_aging_s,
                        config.max_prefill_tokens_while_decoding, config.priority_lower_tokens,
-                       config.priority_hold_s)
+                       config.priority_hold_s, config.priority_step_stretch)
 
     def _compute_key(self, seq: Sequence) -> tuple[float, ...]:
         """Lower first. Aged: the effective priority, p - waited / aging_s, ranks two requests
@@ -177,10 +185,10 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         budget = self.max_num_batched_tokens
         urgent = self._urgent = self._urgent_priority()
+        prefill_left = self._prefill_allowance()
         # protected: the less urgent running requests whose turn it is (the rest skip)
         allowance = self._allowance = (LowerAllowance() if urgent is None
-                                       else self._hand_out_turns(urgent))
-        prefill_left = self._prefill_allowance()
+                                       else self._hand_out_turns(urgent, prefill_left))
         above = sys.maxsize if urgent is None else urgent  # less urgent: a priority above it
         running = SequenceStatus.RUNNING
         # priority: a waiting request that sorts before a running one goes before it.
@@ -279,7 +287,7 @@ class Scheduler:
                 self._hold = None
         return urgent if urgent < least else None
 
-    def _hand_out_turns(self, urgent: int) -> LowerAllowance:
+    def _hand_out_turns(self, urgent: int, prefill_left: int) -> LowerAllowance:
         """The protected step's allowance, promised round-robin (protected_steps). The step
         still visits the running requests in their order, so a memory victim (the last) is
         never one it has already scheduled."""
@@ -287,8 +295,28 @@ class Scheduler:
         if head is not None and head.params.priority <= urgent:
             head = None
         lower = [s for s in self.running if s.params.priority > urgent]
+        within = self._time_allowance(urgent, prefill_left)
         return hand_out_turns(self.priority_lower_tokens, lower, head, self._last_turn,
-                              self._turn_stamps)
+                              self._turn_stamps, within)
+
+    def _time_allowance(self, urgent: int, prefill_left: int) -> TimeAllowance | None:
+        """The seconds less urgent work may add to a protected step: (stretch - 1) times what
+        the urgent decodes cost alone (the step's fixed part and their rows), predicted.
+        None (the token allowance alone) while the cost model is still learning, at a
+        stretch of 1, and while urgent work waits or prefills: a new chat's first token
+        waits for its prefill step, which the tokens alone keep as short as before."""
+        cost = self.step_cost
+        if self.priority_step_stretch <= 1.0 or not cost.ready:
+            return None
+        if self.waiting and self.waiting.head().params.priority <= urgent:
+            return None
+        alone = cost.fixed_seconds
+        for seq in self.running:
+            if seq.params.priority <= urgent:
+                if seq.num_tokens - seq.num_computed_tokens != 1:
+                    return None
+                alone += cost.work_seconds(seq.num_computed_tokens, 1)
+        return TimeAllowance(cost, (self.priority_step_stretch - 1.0) * alone, prefill_left)
 
     def _make_room(self, seq: Sequence, need: int) -> bool:
         """Preempt the last running requests until seq's `need` new blocks are free; False if

@@ -170,6 +170,8 @@ class EngineSettings(msgspec.Struct, kw_only=True):
     max_prefill_tokens_while_decoding: int = 0  # per-step prefill cap while decoding; 0 = off
     priority_lower_tokens: int = 0  # less urgent tokens per protected step; 0 = off
     priority_hold_s: float = 0.0  # protected steps go on this long after the urgent ones left
+    # Added later in issue 26: an older engine sends none (1: the lower tokens only).
+    priority_step_stretch: float = 1.0  # protected step <= this x the urgent work's own time
     # Added with issue 31 (speculative decoding; an older engine sends none: off).
     speculative_method: str = "off"  # "off" or "ngram" (prompt lookup)
     num_speculative_tokens: int = 4  # K drafted tokens per verify

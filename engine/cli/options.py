@@ -12,6 +12,7 @@ from kvscope.engine.config import (
     DEFAULT_PRIORITY_AGING_S,
     DEFAULT_PRIORITY_HOLD_S,
     DEFAULT_PRIORITY_LOWER_TOKENS,
+    DEFAULT_PRIORITY_STEP_STRETCH,
     KV_DTYPES,
     KV_ROTATIONS,
     MODEL_DTYPES,
@@ -63,12 +64,19 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                         "stream's next token; 0 = no cap")
     g.add_argument("--priority-lower-tokens", type=int, default=DEFAULT_PRIORITY_LOWER_TOKENS,
                    help="priority: while a more urgent request is live (or left less than "
-                        "--priority-hold-s ago), a step carries at most this many tokens of "
-                        "less urgent work, round-robin, so the urgent one's steps stay short; "
-                        "0 = off (default 8; docs/scheduling.md has the trade-off)")
+                        "--priority-hold-s ago), a step carries this many tokens of less "
+                        "urgent work, round-robin (more within --priority-step-stretch), so "
+                        "the urgent one's steps stay short; 0 = off (default 8; "
+                        "docs/scheduling.md has the trade-off)")
     g.add_argument("--priority-hold-s", type=float, default=DEFAULT_PRIORITY_HOLD_S,
                    help="keep those short steps this long after the urgent requests left, so "
-                        "a chat's next turn starts within one of them; 0 = no hold")
+                        "a chat's next turn starts within one of them (default 0: it stops "
+                        "a step of less urgent work instead)")
+    g.add_argument("--priority-step-stretch", type=float, default=DEFAULT_PRIORITY_STEP_STRETCH,
+                   metavar="X",
+                   help="beyond those tokens, less urgent work while the step's predicted "
+                        "time (learned from the steps run) stays within X times what the "
+                        "urgent decodes cost alone; 1 = the tokens only (default 3)")
     g.add_argument("--speculative-config", type=parse_speculative_config, default={},
                    metavar="JSON",
                    help='speculative decoding from the context, as vLLM\'s: \'{"method": '
@@ -117,7 +125,7 @@ def engine_config_from_args(args) -> EngineConfig:
         scheduling_policy=args.scheduling_policy, priority_aging_s=args.priority_aging_s,
         max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
         priority_lower_tokens=args.priority_lower_tokens, priority_hold_s=args.priority_hold_s,
-        **_speculative(args))
+        priority_step_stretch=args.priority_step_stretch, **_speculative(args))
 
 
 def _speculative(args) -> dict[str, Any]:

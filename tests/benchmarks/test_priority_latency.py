@@ -77,3 +77,29 @@ def test_the_background_work_is_what_the_server_computed_less_the_chats():
 def test_bad_options_are_clear_errors(args, message, capsys):
     assert bench.main(args) == 2
     assert message in capsys.readouterr().err
+
+
+def test_beside_phases_cover_each_lower_tokens_and_stretch_value():
+    """--lower-tokens x --step-stretch: one beside phase per pair, each switching the server
+    to its own settings (a fake client records the reconfigures)."""
+    calls = []
+
+    class Client:
+        def reconfigure(self, **changes):
+            calls.append(changes)
+
+    phases = bench.beside_setups(Client(), "priority", [8], [1.0, 3.0])
+    assert list(phases) == ["beside:8x1", "beside:8x3"]
+    for setup, _ in phases.values():
+        setup()
+    assert calls == [s for _, s in phases.values()] == [
+        {"priority_lower_tokens": 8, "priority_step_stretch": 1.0},
+        {"priority_lower_tokens": 8, "priority_step_stretch": 3.0}]
+    assert list(bench.beside_setups(Client(), "priority", [], [2.5])) == ["beside:2.5"]
+    assert list(bench.beside_setups(Client(), "fcfs", [8], [3.0])) == ["beside"]
+
+
+@pytest.mark.parametrize("value", ["0.5", "x", "inf"])
+def test_a_bad_step_stretch_is_refused(value, capsys):
+    assert bench.main(["--step-stretch", value]) == 2
+    assert "--step-stretch must be numbers >= 1" in capsys.readouterr().err

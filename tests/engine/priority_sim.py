@@ -10,6 +10,7 @@ from kvscope.engine.config import EngineConfig
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.scheduler import ScheduledSeq, Scheduler, scheduler_for
 from kvscope.engine.sequence import Sequence, SequenceStatus
+from kvscope.engine.step_cost import StepCost
 from tests.engine.test_scheduler_properties import Sim
 
 _ids = itertools.count()
@@ -193,12 +194,15 @@ class PSim(Sim):
 
 def psim(num_blocks: int = 16, bs: int = 2, caching: bool = False, max_seqs: int = 4,
          budget: int = 64, alphabet: int = 3, policy: str = "priority", aging: float = 0.0,
-         cap: int = 0, lower: int = 0, hold: float = 0.0) -> PSim:
+         cap: int = 0, lower: int = 0, hold: float = 0.0, stretch: float = 1.0,
+         cost: StepCost | None = None) -> PSim:
     bm = BlockManager(num_blocks, bs, caching)
     clock = Clock()
     sched = Scheduler(bm, max_seqs, budget, policy=policy, priority_aging_s=aging,
                       max_prefill_tokens_while_decoding=cap, priority_lower_tokens=lower,
-                      priority_hold_s=hold, clock=clock)
+                      priority_hold_s=hold, priority_step_stretch=stretch, clock=clock)
+    if cost is not None:  # a model already fitted: protected steps get a time allowance
+        sched.step_cost = cost
     return PSim(bm, sched, alphabet, clock)
 
 

@@ -11,6 +11,7 @@ from kvscope.engine.block_manager import BlockManager
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.scheduler import scheduler_for
 from kvscope.engine.sequence import Sequence
+from kvscope.engine.step_cost import StepCost, step_shape
 from tests.engine.priority_sim import (
     PSim,
     at_decode,
@@ -21,9 +22,11 @@ from tests.engine.priority_sim import (
 # -- protected steps (priority_lower_tokens, priority_hold_s) ---------------------------------
 
 def decoding_sim(num_bg: int, lower: int, hold: float = 0.0, cap: int = 0,
-                 max_tokens: int = 200) -> tuple[PSim, list[Sequence]]:
+                 max_tokens: int = 200, stretch: float = 1.0,
+                 cost: StepCost | None = None) -> tuple[PSim, list[Sequence]]:
     """num_bg priority-0 requests, all decoding (so no step has prefill work yet)."""
-    sim = psim(num_blocks=256, bs=4, max_seqs=16, budget=64, lower=lower, hold=hold, cap=cap)
+    sim = psim(num_blocks=256, bs=4, max_seqs=16, budget=64, lower=lower, hold=hold, cap=cap,
+               stretch=stretch, cost=cost)
     bg = [sim.add([i % 3, 1], max_tokens=max_tokens) for i in range(num_bg)]
     steps(sim, 1)
     assert all(at_decode(s) for s in bg)
@@ -157,15 +160,69 @@ def test_protection_is_off_at_zero_and_under_fcfs():
         assert len(composition(sim)) == 6
 
 
+# fixed 6 ms, 2 ms a row, 1 ms per 1k decode keys, 2 ms per 10k chunk keys
+COST = (0.006, 0.002, 0.001, 0.002)
+
+
+def test_time_allowance_fills_the_step_up_to_the_stretch():
+    """With a fitted model and a stretch of 3, a protected step carries less urgent work up to
+    twice what the urgent decode costs alone (fixed part and its row), beyond the 2 tokens of
+    the floor; at a stretch of 1, the 2 tokens only. The turns still rotate."""
+    for stretch, per_step in ((1.0, 2), (3.0, 7)):
+        sim, bg = decoding_sim(12, lower=2, stretch=stretch, cost=StepCost(coef=COST))
+        fg = sim.add([0, 1, 2], max_tokens=40, priority=-1)
+        first = composition(sim)  # the urgent prefill: the floor only, however long it is
+        assert first.pop(fg.request_id) == 3 and sum(first.values()) == 2
+        counts = dict.fromkeys((s.request_id for s in bg), 0)
+        for _ in range(12):
+            starts = {s.request_id: s.num_computed_tokens for s in sim.sched.running}
+            step = composition(sim)
+            shape = step_shape((starts[rid], n) for rid, n in step.items())
+            assert step.pop(fg.request_id) == 1
+            assert len(step) == per_step and set(step.values()) == {1}
+            alone = COST[0] + StepCost(coef=COST).work_seconds(starts[fg.request_id], 1)
+            if stretch > 1:
+                assert StepCost(coef=COST).predict(shape) <= stretch * alone + 1e-9
+            for rid in step:
+                counts[rid] += 1
+        assert max(counts.values()) - min(counts.values()) <= 1  # round-robin
+
+
+def test_time_allowance_waits_for_the_model_and_for_the_urgent_prefill():
+    """No time allowance before the model is fitted (the tokens only), nor while an urgent
+    request waits: its first token waits for that step."""
+    sim, _ = decoding_sim(12, lower=2, stretch=3.0, cost=StepCost())
+    sim.add([0, 1, 2], max_tokens=40, priority=-1)
+    for _ in range(5):
+        assert sum(composition(sim).values()) in (3 + 2, 1 + 2)
+
+
+def test_time_allowance_respects_the_prefill_cap_for_a_chunk():
+    """A less urgent prompt's chunk takes the seconds left, at most the step's prefill cap."""
+    sim, bg = decoding_sim(1, lower=1, cap=4, stretch=6.0,
+                           cost=StepCost(coef=(0.006, 0.0005, 0.0, 0.0)))
+    fg = sim.add([0, 1, 2], max_tokens=40, priority=-1)
+    composition(sim)
+    long_prompt = sim.add([0, 1, 2] * 10, max_tokens=5)
+    chunks = []
+    for _ in range(4):
+        step = composition(sim)
+        assert step.pop(fg.request_id) == 1
+        chunks.append(step.get(long_prompt.request_id, 0))
+    assert max(chunks) == 4 and sum(chunks) >= 8
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(1, 8), st.integers(1, 5), st.lists(st.integers(1, 30), min_size=8,
-                                                       max_size=8), st.data())
-def test_background_progresses_under_endless_urgent_work(num_bg, lower, lengths, data):
+                                                       max_size=8), st.sampled_from([1.0, 3.0]),
+       st.data())
+def test_background_progresses_under_endless_urgent_work(num_bg, lower, lengths, stretch, data):
     """An urgent request is always live; every decoding background request still gets a
     token within as many steps as there are background requests (each other one takes at
     most one turn before it: round-robin, admissions included), and all of them finish
-    (none lost, no block leaked)."""
-    sim = psim(num_blocks=512, bs=2, max_seqs=12, budget=64, lower=lower, hold=2.0)
+    (none lost, no block leaked), with or without a time allowance."""
+    sim = psim(num_blocks=512, bs=2, max_seqs=12, budget=64, lower=lower, hold=2.0,
+               stretch=stretch, cost=StepCost(coef=COST))
     bg = [sim.add([i % 3, 1, 2][:1 + i % 3], max_tokens=lengths[i]) for i in range(num_bg)]
     waits: dict[int, int] = {}
     urgent = None
@@ -190,12 +247,17 @@ def test_background_progresses_under_endless_urgent_work(num_bg, lower, lengths,
 
 
 def test_engine_config_protection_defaults_and_bad_values():
-    assert (EngineConfig().priority_lower_tokens, EngineConfig().priority_hold_s) == (8, 5.0)
+    cfg = EngineConfig()
+    assert (cfg.priority_lower_tokens, cfg.priority_hold_s, cfg.priority_step_stretch) == (
+        8, 0.0, 3.0)
+    assert EngineConfig(priority_step_stretch=3).priority_step_stretch == 3.0
     cfg = EngineConfig(priority_lower_tokens=4)
     sched = scheduler_for(BlockManager(8, 4, False), cfg, None)
     assert (sched.priority_lower_tokens, sched.priority_hold_s) == (
         cfg.priority_lower_tokens, cfg.priority_hold_s)
     for field, value in (("priority_lower_tokens", -1), ("priority_lower_tokens", 1.5),
-                         ("priority_hold_s", -2.0), ("priority_hold_s", True)):
+                         ("priority_hold_s", -2.0), ("priority_hold_s", True),
+                         ("priority_step_stretch", 0.5), ("priority_step_stretch", "2"),
+                         ("priority_step_stretch", float("inf"))):
         with pytest.raises(ValueError, match=field):
             EngineConfig(**{field: value})
