@@ -104,6 +104,11 @@ class StepCost:
         self.coef = (coef[0], coef[1], coef[2], coef[3])
 
     @property
+    def observed_seconds(self) -> tuple[float, ...]:
+        """The step times the fit looks at, oldest first."""
+        return tuple(self._y)
+
+    @property
     def ready(self) -> bool:
         return self.coef is not None
 

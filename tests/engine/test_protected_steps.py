@@ -11,7 +11,7 @@ from kvscope.engine.block_manager import BlockManager
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.scheduler import scheduler_for
 from kvscope.engine.sequence import Sequence
-from kvscope.engine.step_cost import StepCost, step_shape
+from kvscope.engine.step_cost import MIN_STEPS, StepCost, step_shape
 from tests.engine.priority_sim import (
     PSim,
     at_decode,
@@ -188,13 +188,22 @@ def test_time_allowance_fills_the_step_up_to_the_stretch():
         assert max(counts.values()) - min(counts.values()) <= 1  # round-robin
 
 
-def test_time_allowance_waits_for_the_model_and_for_the_urgent_prefill():
-    """No time allowance before the model is fitted (the tokens only), nor while an urgent
-    request waits: its first token waits for that step."""
-    sim, _ = decoding_sim(12, lower=2, stretch=3.0, cost=StepCost())
-    sim.add([0, 1, 2], max_tokens=40, priority=-1)
-    for _ in range(5):
-        assert sum(composition(sim).values()) in (3 + 2, 1 + 2)
+def test_time_allowance_starts_once_the_model_has_seen_enough_steps():
+    """Protected steps carry the tokens only until the scheduler's own model has observed
+    MIN_STEPS steps; from the next step on they fill to the stretch."""
+    sim, _ = decoding_sim(12, lower=2, stretch=3.0)
+    fg = sim.add([0, 1, 2], max_tokens=200, priority=-1)
+    composition(sim)  # the urgent prefill
+    cost = sim.sched.step_cost
+    for _ in range(MIN_STEPS):
+        assert not cost.ready
+        assert sum(composition(sim).values()) == 1 + 2
+        # what a machine like the one COST describes would have timed (0.5 ms rows)
+        cost.observe(step_shape([(0, 1)] * (1 + len(cost.observed_seconds) % 9)),
+                     COST[0] + 0.0005 * (1 + len(cost.observed_seconds) % 9))
+    assert cost.ready
+    step = composition(sim)
+    assert step.pop(fg.request_id) == 1 and len(step) > 2
 
 
 def test_time_allowance_respects_the_prefill_cap_for_a_chunk():

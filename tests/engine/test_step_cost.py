@@ -113,6 +113,6 @@ def test_the_engine_observes_every_step_it_runs(tmp_path):
     while engine.has_unfinished():
         engine.step()
     cost = engine.scheduler.step_cost
-    assert len(cost._y) == engine.num_steps >= MIN_STEPS and cost.ready
+    assert len(cost.observed_seconds) == engine.num_steps >= MIN_STEPS and cost.ready
     small, big = step_shape([(10, 1)]), step_shape([(100, 1)] * 6 + [(50, 16)])
     assert 0 < cost.predict(small) <= cost.predict(big)
