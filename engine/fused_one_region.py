@@ -42,7 +42,8 @@ MATMULS = ("qkv", "o_proj", "gate_up", "down")
 
 class StepMatmul(ctypes.Structure):
     _fields_ = [("w", P), ("scale_zero", P), ("n", I64), ("k", I64), ("int4", I64),
-                ("paths", I64)]  # paths: set per step from the chosen implementation
+                ("paths", I64),  # paths: set per step from the chosen implementation
+                ("block", I64)]  # torch's int4 packing width (kernels/cpu_int4.py)
 
 
 class StepLayer(ctypes.Structure):
@@ -158,7 +159,8 @@ def _matmul(linear: Linear, keep: list[torch.Tensor]) -> StepMatmul:
         if linear.tiles is not None:
             return StepMatmul(linear.tiles.data_ptr(), None, n, k, 2)
         assert linear.packed is not None  # one of the two layouts is always kept
-        return StepMatmul(linear.packed.data_ptr(), linear.scale_zero.data_ptr(), n, k, 1)
+        return StepMatmul(linear.packed.data_ptr(), linear.scale_zero.data_ptr(), n, k, 1, 0,
+                          cpu_int4.torch_block() or 0)
     if not isinstance(linear, DenseLinear) or not linear.weight.is_contiguous():
         raise TypeError(f"a one-region decode step got a {type(linear).__name__}")
     keep.append(linear.weight)

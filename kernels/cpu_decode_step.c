@@ -22,12 +22,14 @@
 #include "cpu_team.h"
 #include "cpu_vec.h"
 
-/* One matmul: int4 (1: w torch's packed codes, scale_zero; 2: w the AMX tiles' layout,
- * kernels/cpu_int4_tiles.c) or dense (0: w [n, k] in the rows' dtype), no bias. */
+/* One matmul: int4 (1: w torch's packed codes in blocks of `block` outputs, scale_zero; 2: w
+ * the AMX tiles' layout, kernels/cpu_int4_tiles.c) or dense (0: w [n, k] in the rows' dtype),
+ * no bias. */
 typedef struct {
     const void *w;
     const uint16_t *scale_zero;
     int64_t n, k, int4, paths; /* paths: bfloat16's hardware paths (cpu_team.h) */
+    int64_t block;
 } step_matmul;
 
 /* One layer: its matmuls, RoPE tables and per-head norms, KV pool layer (scales, K balance,
@@ -86,7 +88,7 @@ static void matmul_team(const step_plan *s, const step_matmul *m, const float *x
     if (m->int4 == 2)
         kvscope_int4_tiles_team(y, 1, xf, m->w, s->rows, m->n, m->k, status);
     else if (m->int4)
-        kvscope_int4_team(y, 1, xf, m->w, m->scale_zero, s->rows, m->n, m->k);
+        kvscope_int4_team(y, 1, xf, m->w, m->scale_zero, s->rows, m->n, m->k, m->block);
     else
         kvscope_gemm_team(y, (int)s->io, xf, m->w, (int)s->io, NULL, s->rows, m->n, m->k,
                           (int)m->paths, status);

@@ -19,6 +19,7 @@ verify's rows less), else "fma" where there are no tiles.
 """
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 
@@ -29,12 +30,39 @@ from kvscope.kernels.cpu_linear import SERIAL, TOP_BUCKET, TORCH, bucket, bucket
 
 NATIVE = "native"
 GROUP = 32
-BLOCK = 64  # torch's CPU packing tiles the outputs by 64 (kernels/cpu_int4_gemm.c)
+BLOCK = 64  # the weights the native kernels take: out_features a multiple of this
+# torch's CPU packing tiles the outputs by the vector width its kernel was dispatched to:
+# 64 under AVX-512, 32 under AVX2 (kernels/cpu_int4_gemm.c reads both)
+TORCH_BLOCKS = (64, 32)
 KINDS = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def supports(out_features: int, in_features: int) -> bool:
-    return out_features % BLOCK == 0 and in_features % GROUP == 0 and native.available()
+    return (out_features % BLOCK == 0 and in_features % GROUP == 0 and native.available()
+            and torch_block() is not None)
+
+
+@functools.cache
+def torch_block() -> int | None:
+    """The width of torch's packing in this process (fixed by the CPU, or ATEN_CPU_CAPABILITY),
+    read off a packed probe: one of TORCH_BLOCKS, or None for a layout the native kernels
+    do not read (then torch's kernel runs alone). A kernel that assumed 64 computed another
+    weight's product on an AVX2-only CPU."""
+    n, k = 2 * BLOCK, GROUP
+    codes = (torch.arange(n * k, dtype=torch.int32).reshape(n, k) * 7 + 3) % 16
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1).flatten()
+    for block in TORCH_BLOCKS:
+        if torch.equal(packed, pack_reference(codes, block)):
+            return block
+    return None
+
+
+def pack_reference(codes: torch.Tensor, block: int) -> torch.Tensor:
+    """codes [N, K] (0..15) in blocks of `block` outputs, flat: [N / block, K, block / 2]
+    bytes, byte j of input k holding output j (low nibble) and j + block / 2 (high)."""
+    n, k = codes.shape
+    tiled = codes.reshape(n // block, 2, block // 2, k).permute(0, 3, 1, 2)
+    return (tiled[:, :, 0] | (tiled[:, :, 1] << 4)).to(torch.uint8).flatten()
 
 
 def torch_int4(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
@@ -45,15 +73,15 @@ def torch_int4(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) 
 
 
 def native_int4(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor,
-                parallel: bool = True) -> torch.Tensor:
+                parallel: bool = True, block: int | None = None) -> torch.Tensor:
     """The native kernel on the same tensors: x [M, K] (float32 or bfloat16, contiguous),
-    [M, N] bfloat16."""
+    [M, N] bfloat16; block: the packing's width (default: torch's here, torch_block())."""
     m, k = x.shape
     n = scale_zero.shape[1]
     y = torch.empty((m, n), dtype=torch.bfloat16)
     status = native.require_library().kvscope_int4_gemm(
         y.data_ptr(), KINDS[torch.bfloat16], x.data_ptr(), KINDS[x.dtype], packed.data_ptr(),
-        scale_zero.data_ptr(), m, n, k, int(parallel))
+        scale_zero.data_ptr(), m, n, k, int(parallel), block or torch_block() or BLOCK)
     if status:
         raise MemoryError("the CPU int4 matmul kernel could not allocate its scratch")
     return y
@@ -126,9 +154,11 @@ _family: str | None = None
 
 
 def tiles_ready() -> bool:
-    """Built with AMX, and the kernel granted the tiles to this process."""
+    """Built with AMX, the kernel granted the tiles to this process, and torch packs by 64
+    (the tiles' layout is made from that one)."""
     lib = native.library()
-    return lib is not None and bool(lib.kvscope_int4_tiles_ready())
+    return (lib is not None and bool(lib.kvscope_int4_tiles_ready())
+            and torch_block() == BLOCK)
 
 
 def pack_tiles(packed: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:

@@ -11,11 +11,15 @@
  * of up to 12 rows shares each dequantized weight from registers.
  *
  * torch's CPU layout (as `_convert_weight_to_int4pack_for_cpu(codes, 1)` writes it, for
- * N a multiple of 64): blocks of 64 outputs, [N / 64, K, 32] bytes, byte j of input k
- * holding output j in its low nibble and output j + 32 in its high one; scale_zero [K / 32,
- * N, 2] bfloat16, (scale, zero) per group and output. A 16-wide vector here is 16 outputs
- * at one input, times the input broadcast: bytes 0-15 give outputs 0-15 and 32-47, bytes
- * 16-31 outputs 16-31 and 48-63.
+ * N a multiple of 64) depends on the vector width torch's kernel was dispatched to: blocks of
+ * B outputs, [N / B, K, B / 2] bytes, byte j of input k holding output j in its low nibble
+ * and output j + B / 2 in its high one, with B = 64 under AVX-512 and 32 under AVX2
+ * (kernels/cpu_int4.py asks torch which, once per process, and passes it in); scale_zero
+ * [K / 32, N, 2] bfloat16, (scale, zero) per group and output. A 16-wide vector here is 16
+ * outputs at one input, times the input broadcast: for B = 64, bytes 0-15 give outputs 0-15
+ * and 32-47, bytes 16-31 outputs 16-31 and 48-63. Without AVX-512 (16 vector registers, where
+ * the 16-wide tiles spilled their accumulators and ran 10x slower than torch), and for B = 32,
+ * the tiles are 8 outputs wide: bytes 8p..8p+7 give outputs 8p.. and B / 2 + 8p...
  *
  * A row's result does not depend on what else is in the call (its chain is the same for any
  * row count, tile or thread split): a speculative verify's rows round as the plain decodes
@@ -137,9 +141,132 @@ static const rows_fn whole[] = {0, rows_1_all, rows_2_all, rows_3_all, rows_4_al
 static const rows_fn halves[][2] = {PAIR(5), PAIR(6), PAIR(7), PAIR(8), PAIR(9), PAIR(10),
                                     PAIR(11), PAIR(12)};
 
+/* -- 8 outputs a tile: any block width, and every CPU without AVX-512 ------------------- */
+typedef float v8f_u __attribute__((vector_size(32), aligned(4)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint8_t v8ub __attribute__((vector_size(8)));
+#define MT8_MAX 4 /* 2 accumulators a row, 2 scales, 2 zeros, 2 weights: 16 registers */
+
+/* 8 bytes as 8 int32 lanes. */
+static inline __attribute__((always_inline)) v8i u8x8_to_i32(const uint8_t *src) {
+#if defined(__AVX2__)
+    return (v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)src));
+#else
+    v8ub b;
+    memcpy(&b, src, 8);
+    return __builtin_convertvector(b, v8i);
+#endif
+}
+
+/* group_scales for 8 consecutive outputs. */
+static inline __attribute__((always_inline)) void group_scales8(v8f *s, v8f *z8,
+                                                                const uint16_t *pairs) {
+    v8u u;
+    memcpy(&u, pairs, 32);
+    v8u lo = u << 16, hi = u & 0xffff0000u;
+    memcpy(s, &lo, 32);
+    v8f z;
+    memcpy(&z, &hi, 32);
+    *z8 = z - 8.0f * *s;
+}
+
+static inline __attribute__((always_inline)) void store_out8(void *y, int y_kind, int64_t at,
+                                                             v8f v) {
+    if (y_kind == I4_F32) {
+        *(v8f_u *)((float *)y + at) = v;
+        return;
+    }
+    for (int i = 0; i < 8; i++) ((uint16_t *)y)[at + i] = f32_to_bf16(v[i]);
+}
+
+/* prefetch_group for a block of hb bytes an input (hb = B / 2). */
+static inline __attribute__((always_inline)) void prefetch_group8(
+        const uint8_t *codes, const uint16_t *sz, int64_t N, int64_t K, int64_t n0, int64_t g,
+        int64_t hb) {
+    const int64_t next = g + 1 < K / GROUP ? g + 1 : 0;
+    const int64_t n = g + 1 < K / GROUP ? n0 : n0 + 2 * hb;
+    const uint8_t *c = codes + (g + 1) * GROUP * hb;
+    for (int64_t i = 0; i < GROUP * hb; i += 64) __builtin_prefetch(c + i, 0, 3);
+    if (n >= N) return;
+    const uint16_t *pairs = sz + (next * N + n) * 2;
+    for (int64_t i = 0; i < 4 * hb; i += 32) __builtin_prefetch(pairs + i, 0, 3);
+}
+
+/* MT rows against the 16 outputs of byte pair p of a block of 2 hb outputs starting at n0:
+ * bytes 8p..8p+7 of each input's hb, outputs n0 + 8p + 0..7 (low nibbles) and
+ * n0 + hb + 8p + 0..7 (high). The same chain per output as the 16-wide tiles and torch's. */
+#define TILES8(MT)                                                                          \
+    static void pair8_##MT(void *y, int y_kind, int64_t N, const float *x, int64_t K,       \
+                           const uint8_t *codes, const uint16_t *sz, int64_t n0, int64_t hb, \
+                           int64_t p) {                                                     \
+        v8f acc[MT][2];                                                                     \
+        for (int m = 0; m < MT; m++) acc[m][0] = acc[m][1] = (v8f){0};                      \
+        const int64_t lo = n0 + 8 * p, hi = lo + hb;                                        \
+        for (int64_t g = 0; g < K / GROUP; g++) {                                           \
+            v8f s[2], z8[2];                                                                \
+            group_scales8(s, z8, sz + (g * N + lo) * 2);                                    \
+            group_scales8(s + 1, z8 + 1, sz + (g * N + hi) * 2);                            \
+            if (p == 0) prefetch_group8(codes, sz, N, K, n0, g, hb);                        \
+            for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k++) {                         \
+                v8i b = u8x8_to_i32(codes + k * hb + 8 * p);                                \
+                v8f w0 = __builtin_convertvector(b & 15, v8f) * s[0] + z8[0];               \
+                v8f w1 = __builtin_convertvector(b >> 4, v8f) * s[1] + z8[1];               \
+                for (int m = 0; m < MT; m++) {                                              \
+                    acc[m][0] = acc[m][0] + x[m * K + k] * w0;                              \
+                    acc[m][1] = acc[m][1] + x[m * K + k] * w1;                              \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+        for (int m = 0; m < MT; m++) {                                                      \
+            store_out8(y, y_kind, m * N + lo, acc[m][0]);                                   \
+            store_out8(y, y_kind, m * N + hi, acc[m][1]);                                   \
+        }                                                                                   \
+    }
+TILES8(1) TILES8(2) TILES8(3) TILES8(4)
+typedef void (*pair8_fn)(void *, int, int64_t, const float *, int64_t, const uint8_t *,
+                         const uint16_t *, int64_t, int64_t, int64_t);
+static const pair8_fn pairs8[] = {0, pair8_1, pair8_2, pair8_3, pair8_4};
+
+/* Row tiles of as even a size as `most` allows (16 rows by 12: 8 and 8, not 12 and 4). */
+static inline int64_t tile_size(int64_t M, int64_t most) {
+    const int64_t tiles = (M + most - 1) / most;
+    return (M + tiles - 1) / tiles;
+}
+
+/* One block of 2 hb outputs at n0 in 8-wide tiles. */
+static void block8(void *y, int y_kind, const float *xf, const uint8_t *c,
+                   const uint16_t *scale_zero, int64_t M, int64_t N, int64_t K, int64_t n0,
+                   int64_t hb) {
+    const size_t y_size = y_kind == I4_F32 ? 4 : 2;
+    const int64_t size = tile_size(M, MT8_MAX);
+    for (int64_t m = 0; m < M; m += size) {
+        const int64_t mt = M - m < size ? M - m : size;
+        char *ym = (char *)y + (size_t)(m * N) * y_size;
+        for (int64_t p = 0; p < hb / 8; p++)
+            pairs8[mt](ym, y_kind, N, xf + m * K, K, c, scale_zero, n0, hb, p);
+    }
+}
+
+/* One block of 64 outputs at n0 in 16-wide tiles (AVX-512). */
+static void block16(void *y, int y_kind, const float *xf, const uint8_t *c,
+                    const uint16_t *scale_zero, int64_t M, int64_t N, int64_t K, int64_t n0) {
+    const size_t y_size = y_kind == I4_F32 ? 4 : 2;
+    const int64_t size = tile_size(M, MT_MAX);
+    for (int64_t m = 0; m < M; m += size) {
+        const int64_t mt = M - m < size ? M - m : size;
+        char *ym = (char *)y + (size_t)(m * N) * y_size;
+        if (mt <= 4) {
+            whole[mt](ym, y_kind, N, xf + m * K, K, c, scale_zero, n0);
+        } else {
+            halves[mt - 5][0](ym, y_kind, N, xf + m * K, K, c, scale_zero, n0);
+            halves[mt - 5][1](ym, y_kind, N, xf + m * K, K, c, scale_zero, n0);
+        }
+    }
+}
+
 /* y [M, N] (y_kind) = x [M, K] (x_kind, rounded to bfloat16) W^T from torch's packed
- * codes and scale_zero; N a multiple of 64, K of 32. parallel: the 64-output blocks shared
- * out over torch's threads (the library binds to torch's libgomp, cpu_decode_attention.c),
+ * codes and scale_zero in blocks of `block` outputs; N a multiple of 64, K of 32. parallel:
+ * the blocks shared out over torch's threads (the library binds to torch's libgomp, cpu_decode_attention.c),
  * else on the calling thread. Returns 1 if scratch could not be had. */
 void kvscope_int4_round_rows(float *xf, const void *x, int x_kind, int64_t count) {
     for (int64_t i = 0; i < count; i++)
@@ -147,38 +274,36 @@ void kvscope_int4_round_rows(float *xf, const void *x, int x_kind, int64_t count
                                  : bf16_to_f32(((const uint16_t *)x)[i]);
 }
 
-/* The 64-output blocks shared out over the calling region's threads (cpu_team.h). */
+/* The blocks of `block` outputs (torch's layout: 64 or 32) shared out over the calling
+ * region's threads (cpu_team.h). */
 void kvscope_int4_team(void *y, int y_kind, const float *xf, const uint8_t *codes,
-                       const uint16_t *scale_zero, int64_t M, int64_t N, int64_t K) {
-    const int64_t blocks = N / BLOCK;
-    const size_t y_size = y_kind == I4_F32 ? 4 : 2;
+                       const uint16_t *scale_zero, int64_t M, int64_t N, int64_t K,
+                       int64_t block) {
+    const int64_t blocks = N / block, hb = block / 2;
+#if defined(__AVX512F__)
+    const int wide = block == BLOCK;
+#else
+    const int wide = 0;
+#endif
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *c = codes + b * K * 32;
-        /* row tiles of as even a size as MT_MAX allows (16 rows: 8 and 8, not 12 and 4) */
-        const int64_t tiles = (M + MT_MAX - 1) / MT_MAX, size = (M + tiles - 1) / tiles;
-        for (int64_t m = 0; m < M; m += size) {
-            const int64_t mt = M - m < size ? M - m : size;
-            char *ym = (char *)y + (size_t)(m * N) * y_size;
-            if (mt <= 4) {
-                whole[mt](ym, y_kind, N, xf + m * K, K, c, scale_zero, b * BLOCK);
-            } else {
-                halves[mt - 5][0](ym, y_kind, N, xf + m * K, K, c, scale_zero, b * BLOCK);
-                halves[mt - 5][1](ym, y_kind, N, xf + m * K, K, c, scale_zero, b * BLOCK);
-            }
-        }
+        const uint8_t *c = codes + b * K * hb;
+        if (wide)
+            block16(y, y_kind, xf, c, scale_zero, M, N, K, b * block);
+        else
+            block8(y, y_kind, xf, c, scale_zero, M, N, K, b * block, hb);
     }
 }
 
 int kvscope_int4_gemm(void *y, int y_kind, const void *x, int x_kind, const uint8_t *codes,
                       const uint16_t *scale_zero, int64_t M, int64_t N, int64_t K,
-                      int parallel) {
+                      int parallel, int64_t block) {
     if (M == 0) return 0;
     float *xf = malloc(sizeof(float) * (size_t)(M * K));
     if (!xf) return 1;
     kvscope_int4_round_rows(xf, x, x_kind, M * K);
 #pragma omp parallel if (parallel)
-    kvscope_int4_team(y, y_kind, xf, codes, scale_zero, M, N, K);
+    kvscope_int4_team(y, y_kind, xf, codes, scale_zero, M, N, K, block);
     free(xf);
     return 0;
 }

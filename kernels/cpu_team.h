@@ -48,10 +48,11 @@ void kvscope_decode_team(const decode_call *c, const decode_plan *p, int *status
 void kvscope_decode_plan_free(decode_plan *p);
 
 /* The int4 matmul (kernels/cpu_int4_gemm.c): xf [M, K] float32, the input rounded to
- * bfloat16 (kvscope_int4_round_rows). */
+ * bfloat16 (kvscope_int4_round_rows); block: torch's packing width, 64 or 32. */
 void kvscope_int4_round_rows(float *xf, const void *x, int x_kind, int64_t count);
 void kvscope_int4_team(void *y, int y_kind, const float *xf, const uint8_t *codes,
-                       const uint16_t *scale_zero, int64_t M, int64_t N, int64_t K);
+                       const uint16_t *scale_zero, int64_t M, int64_t N, int64_t K,
+                       int64_t block);
 
 /* The int4 matmul on AMX tiles (kernels/cpu_int4_tiles.c), on its own layout. */
 int kvscope_int4_tiles_ready(void);

@@ -51,7 +51,7 @@ SIGNATURES = {
     "kvscope_gelu_tanh_mul": [P, P, I64, I64, INT],
     "kvscope_add_normed_rms_norm": [P, P, P, P, F32, P, I64, I64, INT],
     "kvscope_gemm": [P, INT, P, INT, P, INT, P, I64, I64, I64, INT, INT],  # ..., parallel, paths
-    "kvscope_int4_gemm": [P, INT, P, INT, P, P, I64, I64, I64, INT],
+    "kvscope_int4_gemm": [P, INT, P, INT, P, P, I64, I64, I64, INT, I64],
     "kvscope_int4_tiles_gemm": [P, INT, P, INT, P, I64, I64, I64, INT],
     "kvscope_int4_tiles_pack": [P, P, P, I64, I64],
     "kvscope_int4_tiles_ready": [],

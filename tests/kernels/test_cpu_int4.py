@@ -58,6 +58,32 @@ def test_a_rows_result_does_not_depend_on_the_rest_of_the_call():
         assert torch.equal(cpu_int4.native_int4(x[i:i + 1], packed, sz)[0], batch[i])
 
 
+def test_the_probe_reads_torchs_packing_on_this_machine():
+    # torch packs by its dispatched vector width (64 under AVX-512, 32 under AVX2); the native
+    # kernel read every layout as 64 and computed another weight's product on an AVX2 EPYC
+    block = cpu_int4.torch_block()
+    assert block in cpu_int4.TORCH_BLOCKS
+    codes = torch.randint(0, 16, (192, 96), generator=torch.Generator().manual_seed(3),
+                          dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    assert torch.equal(packed.flatten(), cpu_int4.pack_reference(codes, block))
+    other = next(b for b in cpu_int4.TORCH_BLOCKS if b != block)
+    assert not torch.equal(packed.flatten(), cpu_int4.pack_reference(codes, other))
+
+
+@pytest.mark.parametrize("block", cpu_int4.TORCH_BLOCKS)
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 13])
+@pytest.mark.parametrize("parallel", [True, False])
+def test_both_packings_give_the_same_bits(block, m, parallel):
+    # whatever width torch packs by here, the kernel reads both (16-wide tiles for 64 with
+    # AVX-512, 8-wide ones otherwise): the same chain per output, so the same bits as torch's
+    codes, scale_zero, packed, sz = weight(192, 96)
+    x = rows(m, 96)
+    mine = cpu_int4.pack_reference(codes, block)
+    assert torch.equal(cpu_int4.native_int4(x, mine, sz, parallel, block=block),
+                       cpu_int4.torch_int4(x, packed, sz))
+
+
 def test_only_whole_64_output_blocks_are_taken():
     assert cpu_int4.supports(128, 64)
     assert not cpu_int4.supports(80, 64)
