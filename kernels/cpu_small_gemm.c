@@ -37,6 +37,7 @@ static inline __attribute__((always_inline)) void store(void *y, int64_t i, floa
     else ((uint16_t *)y)[i] = f32_to_bf16(v);
 }
 
+#if defined(__AVX512F__)
 /* MT input rows (float32, stride K) against the R weight rows at w (stride K), which are
  * rows n.. of the whole weight (for the output columns and the bias). */
 #define TILE(MT, R)                                                                         \
@@ -64,6 +65,79 @@ static inline __attribute__((always_inline)) void store(void *y, int64_t i, floa
             for (int m = 0; m < MT; m++) store(y, m * N + n + r, hsum16(acc[m][r]) + b, y_kind); \
         }                                                                                   \
     }
+#define MT_MAX 6
+#else
+/* Without AVX-512 a 16-float vector takes two of the 16 vector registers, and the 6 x 4 tile's
+ * 24 accumulators spilled to the stack (6 GFLOPS a core on an AVX2 EPYC, where torch's
+ * matmul reached 40). So the 16 lanes run as two halves of 8, one after the other, each over
+ * the whole K (the second reads the tile's weight rows again, from L1), with at most 2
+ * input rows a tile: 8 accumulators, 4 weights and the input row in registers (3 rows
+ * measured the same: their input came from memory for every multiply-add). Each lane is the same chain as above (lane
+ * i sums the inputs k = i mod 16 in order) and hsum_halves reduces the 16 as hsum16 does, so
+ * a row's bits are the 16-wide tile's and do not depend on the tile it fell in. */
+typedef float v8f_u __attribute__((vector_size(32), aligned(4)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+static inline __attribute__((always_inline)) v8f load8(const void *p, int64_t i, int kind) {
+    if (kind == G_F32) return *(const v8f_u *)((const float *)p + i);
+    v8h h;
+    memcpy(&h, (const uint16_t *)p + i, 16);
+    v8u u = __builtin_convertvector(h, v8u) << 16;
+    v8f f;
+    memcpy(&f, &u, 32);
+    return f;
+}
+
+/* hsum16 of the 16 lanes lo (0-7) and hi (8-15), in its order. */
+static inline __attribute__((always_inline)) float hsum_halves(v8f lo, v8f hi) {
+    v8f a = lo + hi;
+    v4f c = __builtin_shufflevector(a, a, 0, 1, 2, 3), e = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    c += e;
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+/* One half's sums, the weight's kind a constant: a test of it inside the loop cost the
+ * register one accumulator needed (it went to the stack and back every step). */
+#define HALF_SUMS(MT, R, KIND)                                                              \
+    for (int64_t k = 8 * half; k < K; k += 16) {                                            \
+        if (pf && half == 0)                                                                \
+            for (int r = 0; r < R; r++)                                                     \
+                __builtin_prefetch(pf + r * pf_row + (k / 16) * pf_step, 0, 2);               \
+        v8f wv[R];                                                                          \
+        for (int r = 0; r < R; r++) wv[r] = load8(w, r * K + k, KIND);                      \
+        for (int m = 0; m < MT; m++) {                                                      \
+            v8f xv = *(const v8f_u *)(x + m * K + k);                                       \
+            for (int r = 0; r < R; r++) acc[m][r] += xv * wv[r];                           \
+        }                                                                                   \
+    }
+
+#define TILE(MT, R)                                                                         \
+    static void tile_##MT##_##R(void *y, int y_kind, int64_t N, const float *x,            \
+                                const void *w, int w_kind, const float *bias, int64_t K,    \
+                                int64_t n, const char *pf, int64_t pf_row) {                \
+        v8f part[2][MT][R];                                                                 \
+        const int64_t pf_step = w_kind == G_F32 ? 64 : 32;                                  \
+        for (int half = 0; half < 2; half++) {                                              \
+            v8f acc[MT][R];                                                                 \
+            for (int m = 0; m < MT; m++)                                                    \
+                for (int r = 0; r < R; r++) acc[m][r] = (v8f){0};                           \
+            if (w_kind == G_F32)                                                            \
+                HALF_SUMS(MT, R, G_F32)                                                     \
+            else                                                                            \
+                HALF_SUMS(MT, R, G_BF16)                                                    \
+            for (int m = 0; m < MT; m++)                                                    \
+                for (int r = 0; r < R; r++) part[half][m][r] = acc[m][r];                   \
+        }                                                                                   \
+        for (int r = 0; r < R; r++) {                                                       \
+            float b = bias ? bias[n + r] : 0.0f;                                            \
+            for (int m = 0; m < MT; m++)                                                    \
+                store(y, m * N + n + r, hsum_halves(part[0][m][r], part[1][m][r]) + b,       \
+                      y_kind);                                                              \
+        }                                                                                   \
+    }
+#define MT_MAX 2
+#endif
 
 #define TILES(MT) TILE(MT, 4) TILE(MT, 1)
 TILES(1) TILES(2) TILES(3) TILES(4) TILES(5) TILES(6)
@@ -73,7 +147,6 @@ typedef void (*tile_fn)(void *, int, int64_t, const float *, const void *, int, 
 static const tile_fn tiles4[] = {0, tile_1_4, tile_2_4, tile_3_4, tile_4_4, tile_5_4, tile_6_4};
 static const tile_fn tiles1[] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile_5_1, tile_6_1};
 
-#define MT_MAX 6
 #define PF_AHEAD 1
 
 /* y [M, N] (y_kind) = x [M, K] (x_kind) W^T, W [N, K] (w_kind), plus bias [N] (float32)
