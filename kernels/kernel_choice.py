@@ -67,7 +67,9 @@ class Chooser:
         self.cache_reason: str | None = None  # why the file was ignored (None: it was not)
         self._fast: dict[Hashable, str] = {}
         self._loaded = False
-        self._lock = threading.Lock()
+        # re-entrant: a candidate may make a decision of its own the first time it runs (the
+        # one-region step against the kernel-by-kernel one, whose attention has one)
+        self._lock = threading.RLock()
 
     def _load(self) -> None:
         if self._loaded:

@@ -3,6 +3,7 @@ clock (no real timing here), its cache file and the key it is valid for, and the
 linear running what was chosen."""
 import json
 import logging
+import threading
 
 import pytest
 import torch
@@ -81,6 +82,26 @@ def test_a_wake_up_after_a_gap_counts_against_a_candidate(cache_file):
     assert chooser.choose("op", {"parallel": parallel, "serial": serial}) == "serial"
     back_to_back = Chooser(cache_file.with_name("other.json"), KEY, clock, gap=lambda: None)
     assert back_to_back.choose("op", {"parallel": parallel, "serial": serial}) == "parallel"
+
+
+def test_a_candidate_may_make_a_decision_of_its_own(cache_file):
+    # the one-region step is timed against the kernel-by-kernel one, whose attention makes
+    # its own decision the first time it runs: with a plain lock that call waited on itself
+    # forever (seen on a machine whose cached choices were measured busy and so redone)
+    clock = FakeClock()
+    chooser = Chooser(cache_file, KEY, clock)
+    inner_fast, inner_slow = clock.costs(0.001), clock.costs(0.003)
+
+    def outer():
+        chooser.choose("inner", {"fast": inner_fast, "slow": inner_slow})
+        clock.now += 0.002
+    got = []
+    thread = threading.Thread(target=lambda: got.append(
+        chooser.choose("outer", {"outer": outer, "other": clock.costs(0.004)})), daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "a decision made inside another's measurement deadlocked"
+    assert got == ["outer"] and chooser.decisions["inner"].choice == "fast"
 
 
 def test_the_best_time_decides_not_the_mean(cache_file):
