@@ -1,10 +1,12 @@
 """The protected step's allowance for less urgent work (Scheduler, priority_lower_tokens > 0).
 
-A protected step carries `priority_lower_tokens` tokens of the less urgent work, and more
-while the step's predicted time stays within `priority_step_stretch` times the urgent work's
-own (engine/step_cost.py: the seconds a decode or a prompt chunk adds, learned from the steps
-run). The tokens and the seconds are handed out together, round-robin, before the step is
-formed: each less urgent running request whose
+A protected step carries `priority_lower_tokens` tokens of the less urgent work while the
+engine's cost model is still learning (or at a stretch of 1); once it is fitted, what the
+step's predicted time allows within `priority_step_stretch` times the urgent work's own
+(engine/step_cost.py: the seconds a decode or a prompt chunk adds, learned from the steps
+run), and at least one turn. The tokens were a floor under the seconds until an AVX2 CPU,
+where 8 prompt tokens cost 4x the chat's own step. The allowance is handed out round-robin,
+before the step is formed: each less urgent running request whose
 turn it is gets a promise of its next tokens, and the less urgent head of the waiting queue,
 when its turn comes, a reserve for its admission. A promise is kept for its own request only:
 a less urgent request admitted in the same step (one that sorts before a running one, or
@@ -84,25 +86,32 @@ def hand_out_turns(allowance: int, lower_running: list[Sequence], lower_head: Se
     finished). Records the next of `stamps` (rising) as the last turn of each one served, in
     the order served: two served in one step are not tied in the next, so the order rotates
     even when the allowance does not divide their number. `within`: the seconds the step may
-    add besides; each turn takes what the tokens or the seconds left allow, whichever is more,
-    and is charged to both (the tokens are a floor that holds while the model is still
-    learning, or where the urgent work alone fills the step)."""
+    add, in place of the `allowance` tokens (None while the model is still learning, at a
+    stretch of 1, and while urgent work waits or prefills); each turn takes what the seconds
+    left allow, the first at least one token, however long it takes."""
     candidates = list(lower_running)
     if lower_head is not None:
         candidates.append(lower_head)
     candidates.sort(key=lambda s: last_turn.get(s, -1))
     result = LowerAllowance()
-    left = allowance
+    left = allowance if within is None else 0
+    served = False
     for seq in candidates:
-        if left <= 0 and (within is None or within.seconds <= 0):
-            break
         want = seq.num_tokens - seq.num_computed_tokens
-        take = min(max(left, 0), want)
-        if within is not None:
-            take = max(take, within.take(seq, want))
+        if within is None:
+            if left <= 0:
+                break
+            take = min(left, want)
+        else:
+            if served and within.seconds <= 0:
+                break
+            take = within.take(seq, want)
+            if not served:  # one turn a step whatever the seconds: nothing less urgent starves
+                take = max(take, min(1, want))
             within.charge(seq, take)
         if take <= 0:
             continue
+        served = True
         last_turn[seq] = next(stamps)
         if seq is lower_head:
             result.reserve = take

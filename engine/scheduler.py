@@ -21,14 +21,15 @@ next token back for its whole chunk.
 
 priority, protected steps (priority_lower_tokens > 0): while a request of strictly higher
 priority than others is live (running or waiting), or finished less than priority_hold_s ago,
-each step carries priority_lower_tokens tokens of the less urgent work, and more while the
-step's predicted time (engine/step_cost.py, fitted to the steps run) stays within
-priority_step_stretch times what the urgent decodes cost alone, handed out round-robin over
-the less urgent running requests (then to their admissions), so the step, which every token
-in it waits for, stays close to the urgent requests' own step time. The urgent requests'
-prefill is not capped by the less urgent decodes. The less urgent head of the waiting queue
-takes turns too, so every less urgent running request gets a token within len(them) +
-len(waiting) steps (docs/scheduling.md has the measurements and what the background loses).
+each step carries priority_lower_tokens tokens of the less urgent work (once the cost model,
+engine/step_cost.py, is fitted to the steps run: what keeps the step's predicted time within
+priority_step_stretch times what the urgent decodes cost alone, at least one token), handed
+out round-robin over the less urgent running requests (then to their admissions), so the
+step, which every token in it waits for, stays close to the urgent requests' own step time.
+The urgent requests' prefill is not capped by the less urgent decodes. The less urgent head
+of the waiting queue takes turns too, so every less urgent running request gets a token
+within len(them) + len(waiting) steps (docs/scheduling.md has the measurements and what the
+background loses).
 """
 from __future__ import annotations
 

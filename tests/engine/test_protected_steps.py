@@ -188,6 +188,28 @@ def test_time_allowance_fills_the_step_up_to_the_stretch():
         assert max(counts.values()) - min(counts.values()) <= 1  # round-robin
 
 
+def test_the_token_allowance_yields_to_the_seconds_once_the_model_is_fitted():
+    """Where the less urgent tokens cost more than the stretch allows (8 prompt tokens were 4x
+    a chat's own step on an AVX2 CPU), a protected step carries what the seconds allow, one
+    token at least, rather than the 8: the step stays near the stretch, the prompt still
+    advances every step."""
+    slow = (0.006, 0.004, 0.0, 0.0)  # 6 ms fixed, 4 ms a row: 8 prompt rows = 32 ms
+    for stretch, most in ((1.0, 8), (1.5, 1), (3.0, 5)):
+        sim, _ = decoding_sim(0, lower=8, cap=64, stretch=stretch, cost=StepCost(coef=slow))
+        fg = sim.add([0, 1, 2], max_tokens=40, priority=-1)
+        composition(sim)  # the urgent prefill
+        prompt = sim.add([0, 1, 2] * 20, max_tokens=5)
+        chunks = []
+        for _ in range(6):
+            step = composition(sim)
+            assert step.pop(fg.request_id) == 1
+            chunks.append(step.pop(prompt.request_id, 0))
+            assert not step
+        # stretch 1: the tokens (the old rule); 1.5: 5 ms spare, one 4 ms row, the guaranteed
+        # turn; 3: 20 ms, 5 rows
+        assert chunks == [most] * 6, (stretch, chunks)
+
+
 def test_time_allowance_starts_once_the_model_has_seen_enough_steps():
     """Protected steps carry the tokens only until the scheduler's own model has observed
     MIN_STEPS steps; from the next step on they fill to the stretch."""
