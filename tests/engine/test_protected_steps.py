@@ -196,15 +196,8 @@ def test_the_token_allowance_yields_to_the_seconds_once_the_model_is_fitted():
     slow = (0.006, 0.004, 0.0, 0.0)  # 6 ms fixed, 4 ms a row: 8 prompt rows = 32 ms
     for stretch, most in ((1.0, 8), (1.5, 1), (3.0, 5)):
         sim, _ = decoding_sim(0, lower=8, cap=64, stretch=stretch, cost=StepCost(coef=slow))
-        fg = sim.add([0, 1, 2], max_tokens=40, priority=-1)
-        composition(sim)  # the urgent prefill
-        prompt = sim.add([0, 1, 2] * 20, max_tokens=5)
-        chunks = []
-        for _ in range(6):
-            step = composition(sim)
-            assert step.pop(fg.request_id) == 1
-            chunks.append(step.pop(prompt.request_id, 0))
-            assert not step
+        # (decoding_sim(0): the prompt is the only less urgent work)
+        chunks = prompt_chunks_beside_a_chat(sim, [0, 1, 2] * 20, steps=6)
         # stretch 1: the tokens (the old rule); 1.5: 5 ms spare, one 4 ms row, the guaranteed
         # turn; 3: 20 ms, 5 rows
         assert chunks == [most] * 6, (stretch, chunks)
@@ -232,15 +225,22 @@ def test_time_allowance_respects_the_prefill_cap_for_a_chunk():
     """A less urgent prompt's chunk takes the seconds left, at most the step's prefill cap."""
     sim, bg = decoding_sim(1, lower=1, cap=4, stretch=6.0,
                            cost=StepCost(coef=(0.006, 0.0005, 0.0, 0.0)))
+    chunks = prompt_chunks_beside_a_chat(sim, [0, 1, 2] * 10, steps=4)
+    assert max(chunks) == 4 and sum(chunks) >= 8
+
+
+def prompt_chunks_beside_a_chat(sim: PSim, prompt: list[int], steps: int) -> list[int]:
+    """An urgent chat (its prefill step run), then a less urgent prompt: the prompt's tokens
+    in each of the next `steps` protected steps, each of which gives the chat its token."""
     fg = sim.add([0, 1, 2], max_tokens=40, priority=-1)
-    composition(sim)
-    long_prompt = sim.add([0, 1, 2] * 10, max_tokens=5)
+    composition(sim)  # the urgent prefill
+    seq = sim.add(prompt, max_tokens=5)
     chunks = []
-    for _ in range(4):
+    for _ in range(steps):
         step = composition(sim)
         assert step.pop(fg.request_id) == 1
-        chunks.append(step.get(long_prompt.request_id, 0))
-    assert max(chunks) == 4 and sum(chunks) >= 8
+        chunks.append(step.get(seq.request_id, 0))
+    return chunks
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
