@@ -76,12 +76,16 @@ def native_int4(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor,
                 parallel: bool = True, block: int | None = None) -> torch.Tensor:
     """The native kernel on the same tensors: x [M, K] (float32 or bfloat16, contiguous),
     [M, N] bfloat16; block: the packing's width (default: torch's here, torch_block())."""
+    block = block or torch_block()
+    if block not in TORCH_BLOCKS:  # it would read the codes as another weight's
+        raise ValueError("torch packs int4 weights in a layout the native kernel does not "
+                         f"read here (blocks of {TORCH_BLOCKS}): use torch_int4")
     m, k = x.shape
     n = scale_zero.shape[1]
     y = torch.empty((m, n), dtype=torch.bfloat16)
     status = native.require_library().kvscope_int4_gemm(
         y.data_ptr(), KINDS[torch.bfloat16], x.data_ptr(), KINDS[x.dtype], packed.data_ptr(),
-        scale_zero.data_ptr(), m, n, k, int(parallel), block or torch_block() or BLOCK)
+        scale_zero.data_ptr(), m, n, k, int(parallel), block)
     if status:
         raise MemoryError("the CPU int4 matmul kernel could not allocate its scratch")
     return y

@@ -80,14 +80,15 @@ static inline __attribute__((always_inline)) void store_out(void *y, int y_kind,
  * block's last group the next block's first follows (the blocks of one thread are
  * consecutive). */
 static inline __attribute__((always_inline)) void prefetch_group(
-        const uint8_t *codes, const uint16_t *sz, int64_t N, int64_t K, int64_t n0, int64_t g) {
+        const uint8_t *codes, const uint16_t *sz, int64_t N, int64_t K, int64_t n0, int64_t g,
+        int64_t hb) { /* hb: the block's bytes an input, B / 2 */
     const int64_t next = g + 1 < K / GROUP ? g + 1 : 0;
-    const int64_t n = g + 1 < K / GROUP ? n0 : n0 + BLOCK;
-    const uint8_t *c = codes + (g + 1) * GROUP * 32;  /* past the block: the next block's */
-    for (int i = 0; i < GROUP * 32; i += 64) __builtin_prefetch(c + i, 0, 3);
+    const int64_t n = g + 1 < K / GROUP ? n0 : n0 + 2 * hb;
+    const uint8_t *c = codes + (g + 1) * GROUP * hb;  /* past the block: the next block's */
+    for (int64_t i = 0; i < GROUP * hb; i += 64) __builtin_prefetch(c + i, 0, 3);
     if (n >= N) return;
     const uint16_t *pairs = sz + (next * N + n) * 2;
-    for (int i = 0; i < BLOCK * 2; i += 32) __builtin_prefetch(pairs + i, 0, 3);
+    for (int64_t i = 0; i < 4 * hb; i += 32) __builtin_prefetch(pairs + i, 0, 3);
 }
 
 /* MT rows of x (float32 holding bfloat16 values, stride K) against a block's 64 outputs
@@ -109,7 +110,7 @@ static inline __attribute__((always_inline)) void prefetch_group(
                 int64_t n = n0 + 16 * (H0 + j / 2) + 32 * (j % 2);                          \
                 group_scales(s + j, z8 + j, sz + (g * N + n) * 2);                          \
             }                                                                               \
-            prefetch_group(codes, sz, N, K, n0, g);                                         \
+            prefetch_group(codes, sz, N, K, n0, g, BLOCK / 2);                              \
             for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k++) {                         \
                 for (int h = 0; h < NH; h++) {                                              \
                     v16i b = u8x16_to_i32(codes + k * 32 + 16 * (H0 + h));                  \
@@ -179,19 +180,6 @@ static inline __attribute__((always_inline)) void store_out8(void *y, int y_kind
     for (int i = 0; i < 8; i++) ((uint16_t *)y)[at + i] = f32_to_bf16(v[i]);
 }
 
-/* prefetch_group for a block of hb bytes an input (hb = B / 2). */
-static inline __attribute__((always_inline)) void prefetch_group8(
-        const uint8_t *codes, const uint16_t *sz, int64_t N, int64_t K, int64_t n0, int64_t g,
-        int64_t hb) {
-    const int64_t next = g + 1 < K / GROUP ? g + 1 : 0;
-    const int64_t n = g + 1 < K / GROUP ? n0 : n0 + 2 * hb;
-    const uint8_t *c = codes + (g + 1) * GROUP * hb;
-    for (int64_t i = 0; i < GROUP * hb; i += 64) __builtin_prefetch(c + i, 0, 3);
-    if (n >= N) return;
-    const uint16_t *pairs = sz + (next * N + n) * 2;
-    for (int64_t i = 0; i < 4 * hb; i += 32) __builtin_prefetch(pairs + i, 0, 3);
-}
-
 /* MT rows against the 16 outputs of byte pair p of a block of 2 hb outputs starting at n0:
  * bytes 8p..8p+7 of each input's hb, outputs n0 + 8p + 0..7 (low nibbles) and
  * n0 + hb + 8p + 0..7 (high). The same chain per output as the 16-wide tiles and torch's. */
@@ -206,7 +194,7 @@ static inline __attribute__((always_inline)) void prefetch_group8(
             v8f s[2], z8[2];                                                                \
             group_scales8(s, z8, sz + (g * N + lo) * 2);                                    \
             group_scales8(s + 1, z8 + 1, sz + (g * N + hi) * 2);                            \
-            if (p == 0) prefetch_group8(codes, sz, N, K, n0, g, hb);                        \
+            if (p == 0) prefetch_group(codes, sz, N, K, n0, g, hb);                         \
             for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k++) {                         \
                 v8i b = u8x8_to_i32(codes + k * hb + 8 * p);                                \
                 v8f w0 = __builtin_convertvector(b & 15, v8f) * s[0] + z8[0];               \
@@ -266,8 +254,8 @@ static void block16(void *y, int y_kind, const float *xf, const uint8_t *c,
 
 /* y [M, N] (y_kind) = x [M, K] (x_kind, rounded to bfloat16) W^T from torch's packed
  * codes and scale_zero in blocks of `block` outputs; N a multiple of 64, K of 32. parallel:
- * the blocks shared out over torch's threads (the library binds to torch's libgomp, cpu_decode_attention.c),
- * else on the calling thread. Returns 1 if scratch could not be had. */
+ * the blocks shared out over torch's threads (the library binds to torch's libgomp,
+ * cpu_decode_attention.c), else on the calling thread. Returns 1 if scratch could not be had. */
 void kvscope_int4_round_rows(float *xf, const void *x, int x_kind, int64_t count) {
     for (int64_t i = 0; i < count; i++)
         xf[i] = x_kind == I4_F32 ? bf16_to_f32(f32_to_bf16(((const float *)x)[i]))

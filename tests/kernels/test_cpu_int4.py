@@ -87,6 +87,14 @@ def test_both_packings_give_the_same_bits(block, m, parallel):
                        cpu_int4.torch_int4(x, packed, sz))
 
 
+def test_a_packing_the_kernel_cannot_read_is_refused(monkeypatch):
+    monkeypatch.setattr(cpu_int4, "torch_block", lambda: None)
+    _, _, packed, sz = weight(64, 32)
+    with pytest.raises(ValueError, match="layout the native kernel does not read"):
+        cpu_int4.native_int4(rows(1, 32), packed, sz)
+    assert not cpu_int4.supports(128, 64)
+
+
 def test_only_whole_64_output_blocks_are_taken():
     assert cpu_int4.supports(128, 64)
     assert not cpu_int4.supports(80, 64)
