@@ -27,6 +27,9 @@ class Samples:
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
     fg_requests: int = 0
+    # each chat's content chunk arrival times, first token first (which ITL gaps span
+    # another chat's prefill: its first token arrived inside the gap)
+    chats: list[list[float]] = field(default_factory=list)
     bg_chunks: list[float] = field(default_factory=list)  # arrival times of content chunks
     bg_started: set[int] = field(default_factory=set)  # workers whose stream is producing
 
@@ -50,12 +53,15 @@ async def foreground_one(url: str, load: Load, k: int, out: Samples) -> None:
             "stream": True, "priority": load.fg_priority}
     sent = last = time.perf_counter()
     first = True
+    arrivals: list[float] = []
+    out.chats.append(arrivals)
     try:
         async for data in conn.post("/chat/completions", body):
             choices = json.loads(data)["choices"]
             if not choices or not choices[0]["delta"].get("content"):
                 continue  # the role chunk, the usage chunk
             now = time.perf_counter()
+            arrivals.append(now)
             if first:
                 out.ttft.append(now - sent)
                 first = False

@@ -58,6 +58,19 @@ def test_targets_are_judged_in_the_right_direction():
     assert bench.ratios(idle, alone, good)["ratios"]["ttft_p99"] == pytest.approx(1.5)
 
 
+def test_itl_gaps_are_split_by_whether_another_chats_prefill_ran_inside():
+    """A gap of chat A inside which chat B's first token arrived spanned B's prefill; A's own
+    first token does not count, nor a first token that arrived exactly at a gap's start."""
+    a = [0.0, 0.1, 0.2, 0.5]  # gaps 0.1, 0.1, 0.3
+    b = [0.35, 0.4]  # first token inside A's last gap; its one gap 0.05
+    c = [0.2, 0.9]  # first token at the end of A's second gap (inside), the start of its third
+    spanning, apart = bench.gaps_by_overlap([a, b, c])
+    # A's 0.1-0.2 (C's first) and 0.2-0.5 (B's), C's 0.2-0.9 (B's)
+    assert sorted(spanning) == pytest.approx([0.1, 0.3, 0.7])
+    assert sorted(apart) == pytest.approx([0.05, 0.1])  # A's first gap, B's
+    assert bench.gaps_by_overlap([[1.0], []]) == ([], [])
+
+
 def test_the_background_work_is_what_the_server_computed_less_the_chats():
     """Each chat is charged what one cost in the idle phase (its prompt past the cache and its
     answer); the alone phase has no chats."""
