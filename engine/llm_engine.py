@@ -356,7 +356,8 @@ class LLMEngine:
             deltas += self._append_tokens(sampling, sample(logits, sampling))
         self.spec.end_step(sum(len(d.token_ids) for d in deltas))
         self.num_steps += 1
-        self.scheduler.step_cost.observe(shape, time.perf_counter() - started)
+        if self.scheduler.step_is_protected:  # the only steps whose cost is asked for
+            self.scheduler.step_cost.observe(shape, time.perf_counter() - started)
         return StepResult(deltas, batch)
 
     def _arm_interrupt(self, batch: list[ScheduledSeq]) -> None:

@@ -90,9 +90,11 @@ def test_tokens_within_is_the_most_that_fit():
     assert cost.work_seconds(999, 1) == pytest.approx(0.0007 + 0.0019)
 
 
-def test_the_engine_observes_every_step_it_runs(tmp_path):
-    """A real engine (tiny model) times each step it ran into its scheduler's model: after
-    MIN_STEPS steps the model predicts, and what it predicts grows with the work."""
+def test_the_engine_observes_its_protected_steps_only(tmp_path):
+    """A real engine (tiny model) times each protected step it ran (a chat beside a batch)
+    into its scheduler's model, and no other: after MIN_STEPS of them the model predicts, and
+    what it predicts grows with the work. Under fcfs, where no step is protected, it learns
+    nothing."""
     import torch
 
     from kvscope.engine.config import EngineConfig
@@ -102,17 +104,32 @@ def test_the_engine_observes_every_step_it_runs(tmp_path):
     from kvscope.testing.tiny_models import save_tiny_model
 
     path = str(save_tiny_model(tmp_path, "llama", seed=3))
-    engine = LLMEngine(EngineConfig(model=path, block_size=8, num_kv_blocks=128,
-                                    max_num_batched_tokens=32),
-                       loaded=load_model(path, torch.float32))
-    rng = random.Random(0)
-    for i in range(6):
-        prompt = [rng.randrange(3, 200) for _ in range(rng.randrange(4, 60))]
-        engine.add_request(prompt, SamplingParams(max_tokens=20 + 12 * i, ignore_eos=True),
-                           request_id=f"r{i}")
-    while engine.has_unfinished():
-        engine.step()
-    cost = engine.scheduler.step_cost
-    assert len(cost.observed_seconds) == engine.num_steps >= MIN_STEPS and cost.ready
+    loaded = load_model(path, torch.float32)
+    counts = {}
+    for policy in ("fcfs", "priority"):
+        engine = LLMEngine(EngineConfig(model=path, block_size=8, num_kv_blocks=128,
+                                        max_num_batched_tokens=32, scheduling_policy=policy),
+                           loaded=loaded)
+        rng = random.Random(0)
+        for i in range(4):  # the batch, then a chat that outlives its first steps
+            prompt = [rng.randrange(3, 200) for _ in range(rng.randrange(4, 60))]
+            engine.add_request(prompt, SamplingParams(max_tokens=150 + 12 * i,
+                                                           ignore_eos=True),
+                               request_id=f"r{i}")
+        engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=90, ignore_eos=True,
+                                                        priority=-1), request_id="chat")
+        protected = unprotected = 0
+        while engine.has_unfinished():
+            if engine.step().scheduled:
+                if engine.scheduler.step_is_protected:
+                    protected += 1
+                else:
+                    unprotected += 1
+        counts[policy] = (protected, unprotected, engine.scheduler.step_cost)
+    protected, unprotected, cost = counts["priority"]
+    assert unprotected > 0  # the batch alone once the chat ended: not observed
+    assert len(cost.observed_seconds) == protected >= MIN_STEPS and cost.ready
     small, big = step_shape([(10, 1)]), step_shape([(100, 1)] * 6 + [(50, 16)])
     assert 0 < cost.predict(small) <= cost.predict(big)
+    protected, unprotected, cost = counts["fcfs"]
+    assert protected == 0 and unprotected > 0 and not cost.observed_seconds
