@@ -87,8 +87,8 @@ def hand_out_turns(allowance: int, lower_running: list[Sequence], lower_head: Se
     the order served: two served in one step are not tied in the next, so the order rotates
     even when the allowance does not divide their number. `within`: the seconds the step may
     add, in place of the `allowance` tokens (None while the model is still learning, at a
-    stretch of 1, and while urgent work waits or prefills); each turn takes what the seconds
-    left allow, the first at least one token, however long it takes."""
+    stretch of 1; no seconds while urgent work waits or prefills); each turn takes what the
+    seconds left allow, the first at least one token, however long it takes."""
     candidates = list(lower_running)
     if lower_head is not None:
         candidates.append(lower_head)

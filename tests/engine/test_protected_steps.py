@@ -166,13 +166,14 @@ COST = (0.006, 0.002, 0.001, 0.002)
 
 def test_time_allowance_fills_the_step_up_to_the_stretch():
     """With a fitted model and a stretch of 3, a protected step carries less urgent work up to
-    twice what the urgent decode costs alone (fixed part and its row), beyond the 2 tokens of
-    the floor; at a stretch of 1, the 2 tokens only. The turns still rotate."""
-    for stretch, per_step in ((1.0, 2), (3.0, 7)):
+    twice what the urgent decode costs alone (fixed part and its row), in place of the 2
+    tokens; at a stretch of 1, the 2 tokens only. The urgent prefill's step carries the one
+    guaranteed turn (the 2 tokens at a stretch of 1). The turns still rotate."""
+    for stretch, per_step, at_prefill in ((1.0, 2, 2), (3.0, 7, 1)):
         sim, bg = decoding_sim(12, lower=2, stretch=stretch, cost=StepCost(coef=COST))
         fg = sim.add([0, 1, 2], max_tokens=40, priority=-1)
-        first = composition(sim)  # the urgent prefill: the floor only, however long it is
-        assert first.pop(fg.request_id) == 3 and sum(first.values()) == 2
+        first = composition(sim)  # the urgent prefill, a new chat's first token waits for
+        assert first.pop(fg.request_id) == 3 and sum(first.values()) == at_prefill
         counts = dict.fromkeys((s.request_id for s in bg), 0)
         for _ in range(12):
             starts = {s.request_id: s.num_computed_tokens for s in sim.sched.running}
