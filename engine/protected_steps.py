@@ -5,8 +5,9 @@ engine's cost model is still learning (or at a stretch of 1); once it is fitted,
 step's predicted time allows within `priority_step_stretch` times the urgent work's own
 (engine/step_cost.py: the seconds a decode or a prompt chunk adds, learned from the steps
 run), and at least one turn. The tokens were a floor under the seconds until an AVX2 CPU,
-where 8 prompt tokens cost 4x the chat's own step. The allowance is handed out round-robin,
-before the step is formed: each less urgent running request whose
+where 8 prompt tokens cost 4x the chat's own step. A step in which urgent work waits or
+prefills carries one token (a new chat's first token waits for it). The allowance is handed
+out round-robin, before the step is formed: each less urgent running request whose
 turn it is gets a promise of its next tokens, and the less urgent head of the waiting queue,
 when its turn comes, a reserve for its admission. A promise is kept for its own request only:
 a less urgent request admitted in the same step (one that sorts before a running one, or
@@ -87,8 +88,8 @@ def hand_out_turns(allowance: int, lower_running: list[Sequence], lower_head: Se
     the order served: two served in one step are not tied in the next, so the order rotates
     even when the allowance does not divide their number. `within`: the seconds the step may
     add, in place of the `allowance` tokens (None while the model is still learning, at a
-    stretch of 1; no seconds while urgent work waits or prefills); each turn takes what the
-    seconds left allow, the first at least one token, however long it takes."""
+    stretch of 1); each turn takes what the seconds left allow, the first at least one
+    token, however long it takes."""
     candidates = list(lower_running)
     if lower_head is not None:
         candidates.append(lower_head)

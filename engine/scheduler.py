@@ -291,33 +291,36 @@ class Scheduler:
     def _hand_out_turns(self, urgent: int, prefill_left: int) -> LowerAllowance:
         """The protected step's allowance, promised round-robin (protected_steps). The step
         still visits the running requests in their order, so a memory victim (the last) is
-        never one it has already scheduled."""
+        never one it has already scheduled. While urgent work waits or prefills, one token
+        (the step's one turn): a new chat's first token waits for that step, and 8 less
+        urgent decodes in it were a third of the chat's TTFT on an AVX2 CPU."""
         head = self.waiting.head() if self.waiting else None
         if head is not None and head.params.priority <= urgent:
             head = None
         lower = [s for s in self.running if s.params.priority > urgent]
+        if self._urgent_prefills(urgent):
+            return hand_out_turns(1, lower, head, self._last_turn, self._turn_stamps)
         within = self._time_allowance(urgent, prefill_left)
         return hand_out_turns(self.priority_lower_tokens, lower, head, self._last_turn,
                               self._turn_stamps, within)
 
+    def _urgent_prefills(self, urgent: int) -> bool:
+        """Whether urgent work waits or has prompt tokens left (its first token pending)."""
+        if self.waiting and self.waiting.head().params.priority <= urgent:
+            return True
+        return any(s.params.priority <= urgent and s.num_tokens - s.num_computed_tokens != 1
+                   for s in self.running)
+
     def _time_allowance(self, urgent: int, prefill_left: int) -> TimeAllowance | None:
-        """The seconds less urgent work may add to a protected step: (stretch - 1) times what
-        the urgent decodes cost alone (the step's fixed part and their rows), predicted.
-        None (the token allowance alone) while the cost model is still learning and at a
-        stretch of 1. No seconds while urgent work waits or prefills (the step's one
-        guaranteed turn only): a new chat's first token waits for that step, and 8 less
-        urgent decodes in it were a third of the chat's TTFT on an AVX2 CPU."""
+        """The seconds less urgent work may add to a protected step in which the urgent work
+        decodes: (stretch - 1) times what the urgent decodes cost alone (the step's fixed
+        part and their rows), predicted. None (the token allowance alone) while the cost
+        model is still learning and at a stretch of 1."""
         cost = self.step_cost
         if self.priority_step_stretch <= 1.0 or not cost.ready:
             return None
-        if self.waiting and self.waiting.head().params.priority <= urgent:
-            return TimeAllowance(cost, 0.0, prefill_left)
-        alone = cost.fixed_seconds
-        for seq in self.running:
-            if seq.params.priority <= urgent:
-                if seq.num_tokens - seq.num_computed_tokens != 1:
-                    return TimeAllowance(cost, 0.0, prefill_left)
-                alone += cost.work_seconds(seq.num_computed_tokens, 1)
+        alone = cost.fixed_seconds + sum(cost.work_seconds(s.num_computed_tokens, 1)
+                                         for s in self.running if s.params.priority <= urgent)
         return TimeAllowance(cost, (self.priority_step_stretch - 1.0) * alone, prefill_left)
 
     def _make_room(self, seq: Sequence, need: int) -> bool:

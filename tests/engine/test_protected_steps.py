@@ -46,7 +46,7 @@ def test_protected_steps_serve_the_urgent_decode_and_rotate_the_rest():
     assert len(composition(sim)) == 6  # one priority: every decode, every step
     fg = sim.add([0, 1, 2], max_tokens=30, priority=-1)
     first = composition(sim)
-    assert first[fg.request_id] == 3 and sum(first.values()) == 5  # its prefill + 2 others
+    assert first[fg.request_id] == 3 and sum(first.values()) == 4  # its prefill + 1 other
     served: list[str] = []
     for _ in range(9):
         step = composition(sim)
@@ -89,7 +89,7 @@ def test_urgent_prefill_is_not_capped_by_the_background_decodes():
 def test_background_admissions_share_the_allowance():
     sim, _ = decoding_sim(2, lower=3)
     fg = sim.add([0, 1], max_tokens=40, priority=-1)
-    steps(sim, 1)
+    steps(sim, 2)  # its prefill (one background turn), then a decode (both had theirs)
     late = sim.add([1, 2, 0] * 4, max_tokens=2)  # a 12-token background prompt
     step = composition(sim)
     assert step.pop(fg.request_id) == 1
@@ -167,13 +167,13 @@ COST = (0.006, 0.002, 0.001, 0.002)
 def test_time_allowance_fills_the_step_up_to_the_stretch():
     """With a fitted model and a stretch of 3, a protected step carries less urgent work up to
     twice what the urgent decode costs alone (fixed part and its row), in place of the 2
-    tokens; at a stretch of 1, the 2 tokens only. The urgent prefill's step carries the one
-    guaranteed turn (the 2 tokens at a stretch of 1). The turns still rotate."""
-    for stretch, per_step, at_prefill in ((1.0, 2, 2), (3.0, 7, 1)):
+    tokens; at a stretch of 1, the 2 tokens only. The urgent prefill's step carries one token
+    at every stretch. The turns still rotate."""
+    for stretch, per_step in ((1.0, 2), (3.0, 7)):
         sim, bg = decoding_sim(12, lower=2, stretch=stretch, cost=StepCost(coef=COST))
         fg = sim.add([0, 1, 2], max_tokens=40, priority=-1)
         first = composition(sim)  # the urgent prefill, a new chat's first token waits for
-        assert first.pop(fg.request_id) == 3 and sum(first.values()) == at_prefill
+        assert first.pop(fg.request_id) == 3 and sum(first.values()) == 1
         counts = dict.fromkeys((s.request_id for s in bg), 0)
         for _ in range(12):
             starts = {s.request_id: s.num_computed_tokens for s in sim.sched.running}
@@ -281,7 +281,7 @@ def test_background_progresses_under_endless_urgent_work(num_bg, lower, lengths,
 def test_engine_config_protection_defaults_and_bad_values():
     cfg = EngineConfig()
     assert (cfg.priority_lower_tokens, cfg.priority_hold_s, cfg.priority_step_stretch) == (
-        8, 0.0, 3.0)
+        8, 0.0, 2.0)
     assert EngineConfig(priority_step_stretch=3).priority_step_stretch == 3.0
     cfg = EngineConfig(priority_lower_tokens=4)
     sched = scheduler_for(BlockManager(8, 4, False), cfg, None)
