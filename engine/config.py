@@ -58,12 +58,14 @@ DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING = 32
 # windows later that day, 7 %: 0.83x -> 0.76x of the background alone). It used to cost the
 # background 0.3-0.6x, while float32 KV left its prompts short of memory.
 DEFAULT_PRIORITY_LOWER_TOKENS = 8
-# ... and more while the step's predicted time (engine/step_cost.py, learned from the steps
-# run) stays within this many times what the urgent decodes cost alone; 1 = the tokens only.
-# 3, measured in 60-second windows (docs/scheduling.md, 2026-12-06 21:45): at 1 the
-# background kept 0.72x of its output alone, at 3 0.77x with the chat's ITL p99 1.72x idle
-# (2x asked), at 3.5 0.83x but 2.45x.
-DEFAULT_PRIORITY_STEP_STRETCH = 3.0
+# ... and more while the step's predicted time (engine/step_cost.py, learned from the
+# protected steps run) stays within this many times what the urgent decodes cost alone; 1 =
+# the tokens only. 2: the chat's ITL p99 within the 2x idle asked on both CPUs measured. On
+# an AVX2 EPYC (2026-12-07, 60-second windows) 2 gave 1.96x and 3 4.11x (20-second windows:
+# 1.5 1.60x, 2 1.66x, 2.5 1.98x, 3 3.49x), the background's computed tokens 0.55-0.70x of
+# alone at every stretch (there the chat's own steps bound it); on the AMX Xeon (2026-12-06)
+# 2.5 gave 1.41x and 3 1.72x, 3 keeping 5-7 % more of the background than 1.
+DEFAULT_PRIORITY_STEP_STRETCH = 2.0
 # Protected steps went on this long after the urgent requests left, so a chat's next turn
 # started within a short step. Since a step of only less urgent work gives way to an urgent
 # arrival (engine/step_interrupt.py) that costs the background more than it saves: with the

@@ -77,7 +77,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    metavar="X",
                    help="less urgent work while the step's predicted time (learned from "
                         "the steps run) stays within X times what the urgent decodes cost "
-                        "alone, in place of those tokens; 1 = the tokens only (default 3)")
+                        "alone, in place of those tokens; 1 = the tokens only (default 2)")
     g.add_argument("--speculative-config", type=parse_speculative_config, default={},
                    metavar="JSON",
                    help='speculative decoding from the context, as vLLM\'s: \'{"method": '
