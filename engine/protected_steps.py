@@ -16,6 +16,7 @@ over the allowance and no request's turn is spent by another.
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -75,6 +76,41 @@ class LowerAllowance:
         from_reserve = min(num_tokens, self.reserve)
         self.reserve -= from_reserve
         self.free -= num_tokens - from_reserve
+
+
+@dataclass(slots=True)
+class Turns:
+    """The round-robin's memory: when each less urgent running request last had its turn (a
+    stamp, rising with each turn handed out)."""
+
+    last: dict[Sequence, int] = field(default_factory=dict)
+    stamps: Iterator[int] = field(default_factory=itertools.count)
+
+    def forget(self, seq: Sequence) -> None:
+        self.last.pop(seq, None)
+
+
+def step_allowance(urgent: int, running: list[Sequence], waiting_head: Sequence | None,
+                   turns: Turns, *, lower_tokens: int, stretch: float, cost: StepCost,
+                   prefill_left: int) -> LowerAllowance:
+    """A protected step's allowance for the work less urgent than `urgent`: one token while
+    urgent work waits or prefills (a new chat's first token waits for that step, and 8 less
+    urgent decodes in it were a third of the chat's TTFT on an AVX2 CPU); else lower_tokens
+    while the cost model learns or at a stretch of 1, the seconds the stretch allows once
+    it is fitted. waiting_head, the waiting queue's head, takes turns when it is less
+    urgent."""
+    urgent_waits = waiting_head is not None and waiting_head.params.priority <= urgent
+    head = None if urgent_waits else waiting_head
+    lower = [s for s in running if s.params.priority > urgent]
+    mine = [s for s in running if s.params.priority <= urgent]
+    if urgent_waits or any(s.num_tokens - s.num_computed_tokens != 1 for s in mine):
+        return hand_out_turns(1, lower, head, turns.last, turns.stamps)
+    within = None
+    if stretch > 1.0 and cost.ready:  # (stretch - 1) x what the urgent decodes cost alone
+        alone = cost.fixed_seconds + sum(cost.work_seconds(s.num_computed_tokens, 1)
+                                         for s in mine)
+        within = TimeAllowance(cost, (stretch - 1.0) * alone, prefill_left)
+    return hand_out_turns(lower_tokens, lower, head, turns.last, turns.stamps, within)
 
 
 def hand_out_turns(allowance: int, lower_running: list[Sequence], lower_head: Sequence | None,

@@ -33,7 +33,6 @@ background loses).
 """
 from __future__ import annotations
 
-import itertools
 import sys
 import time
 from collections import Counter
@@ -43,7 +42,7 @@ from dataclasses import dataclass
 from kvscope.engine.block_manager import BlockManager
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.preemption import REASONS, Preemption, blocks_needed, blocks_released
-from kvscope.engine.protected_steps import LowerAllowance, TimeAllowance, hand_out_turns
+from kvscope.engine.protected_steps import LowerAllowance, Turns, step_allowance
 from kvscope.engine.sequence import Sequence, SequenceStatus
 from kvscope.engine.step_cost import StepCost
 from kvscope.engine.waiting_queue import WaitingQueue
@@ -86,8 +85,8 @@ class Scheduler:
         self.priority_lower_tokens = 0
         self.priority_hold_s = 0.0
         self.priority_step_stretch = 1.0
-        # What steps cost, learned from the ones run (the engine observes each): a protected
-        # step's time allowance is in its predicted seconds.
+        # What protected steps cost, learned from the ones run (the engine observes each): a
+        # protected step's time allowance is in its predicted seconds.
         self.step_cost = StepCost()
         self.waiting = WaitingQueue()
         self.running: list[Sequence] = []
@@ -100,8 +99,7 @@ class Scheduler:
         self._urgent: int | None = None
         self._allowance = LowerAllowance()
         self._hold: tuple[int, float] | None = None
-        self._turn_stamps = itertools.count()
-        self._last_turn: dict[Sequence, int] = {}
+        self._turns = Turns()
         self._order: dict[Sequence, int] = {}  # ties of arrival_time: the order of add()
         self._keys: dict[Sequence, tuple[float, ...]] = {}
         self._added = 0
@@ -189,7 +187,7 @@ class Scheduler:
         prefill_left = self._prefill_allowance()
         # protected: the less urgent running requests whose turn it is (the rest skip)
         allowance = self._allowance = (LowerAllowance() if urgent is None
-                                       else self._hand_out_turns(urgent, prefill_left))
+                                       else self._step_allowance(urgent, prefill_left))
         above = sys.maxsize if urgent is None else urgent  # less urgent: a priority above it
         running = SequenceStatus.RUNNING
         # priority: a waiting request that sorts before a running one goes before it.
@@ -288,40 +286,14 @@ class Scheduler:
                 self._hold = None
         return urgent if urgent < least else None
 
-    def _hand_out_turns(self, urgent: int, prefill_left: int) -> LowerAllowance:
+    def _step_allowance(self, urgent: int, prefill_left: int) -> LowerAllowance:
         """The protected step's allowance, promised round-robin (protected_steps). The step
         still visits the running requests in their order, so a memory victim (the last) is
-        never one it has already scheduled. While urgent work waits or prefills, one token
-        (the step's one turn): a new chat's first token waits for that step, and 8 less
-        urgent decodes in it were a third of the chat's TTFT on an AVX2 CPU."""
-        head = self.waiting.head() if self.waiting else None
-        if head is not None and head.params.priority <= urgent:
-            head = None
-        lower = [s for s in self.running if s.params.priority > urgent]
-        if self._urgent_prefills(urgent):
-            return hand_out_turns(1, lower, head, self._last_turn, self._turn_stamps)
-        within = self._time_allowance(urgent, prefill_left)
-        return hand_out_turns(self.priority_lower_tokens, lower, head, self._last_turn,
-                              self._turn_stamps, within)
-
-    def _urgent_prefills(self, urgent: int) -> bool:
-        """Whether urgent work waits or has prompt tokens left (its first token pending)."""
-        if self.waiting and self.waiting.head().params.priority <= urgent:
-            return True
-        return any(s.params.priority <= urgent and s.num_tokens - s.num_computed_tokens != 1
-                   for s in self.running)
-
-    def _time_allowance(self, urgent: int, prefill_left: int) -> TimeAllowance | None:
-        """The seconds less urgent work may add to a protected step in which the urgent work
-        decodes: (stretch - 1) times what the urgent decodes cost alone (the step's fixed
-        part and their rows), predicted. None (the token allowance alone) while the cost
-        model is still learning and at a stretch of 1."""
-        cost = self.step_cost
-        if self.priority_step_stretch <= 1.0 or not cost.ready:
-            return None
-        alone = cost.fixed_seconds + sum(cost.work_seconds(s.num_computed_tokens, 1)
-                                         for s in self.running if s.params.priority <= urgent)
-        return TimeAllowance(cost, (self.priority_step_stretch - 1.0) * alone, prefill_left)
+        never one it has already scheduled."""
+        return step_allowance(urgent, self.running, self.waiting.head() if self.waiting else None,
+                              self._turns, lower_tokens=self.priority_lower_tokens,
+                              stretch=self.priority_step_stretch, cost=self.step_cost,
+                              prefill_left=prefill_left)
 
     def _make_room(self, seq: Sequence, need: int) -> bool:
         """Preempt the last running requests until seq's `need` new blocks are free; False if
@@ -466,7 +438,7 @@ class Scheduler:
     # -- leaving ---------------------------------------------------------------------------
     def _leave_running(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self._last_turn.pop(seq, None)
+        self._turns.forget(seq)
         self._allowance.skip_running(seq)  # a turn it had in this step goes to the others
         counts, p = self._running_priorities, seq.params.priority
         counts[p] -= 1
@@ -502,7 +474,7 @@ class Scheduler:
         self._order.pop(seq, None)
         self._keys.pop(seq, None)
         self._thrown.pop(seq, None)
-        self._last_turn.pop(seq, None)
+        self._turns.forget(seq)
 
     def _left(self, seq: Sequence) -> None:
         """seq is no longer live; when it was more urgent than work still live, hold the
