@@ -66,9 +66,10 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="priority: while a more urgent request is live (or left less than "
                         "--priority-hold-s ago), a step carries this many tokens of less "
                         "urgent work, round-robin (once the step-cost model is fitted, what "
-                        "--priority-step-stretch allows instead, one token at least), so "
-                        "the urgent one's steps stay short; 0 = off (default 8; "
-                        "docs/scheduling.md has the trade-off)")
+                        "--priority-step-stretch allows instead, one token at least; one "
+                        "token while the urgent one prefills), so the urgent one's steps "
+                        "stay short; 0 = off (default 8; docs/scheduling.md has the "
+                        "trade-off)")
     g.add_argument("--priority-hold-s", type=float, default=DEFAULT_PRIORITY_HOLD_S,
                    help="keep those short steps this long after the urgent requests left, so "
                         "a chat's next turn starts within one of them (default 0: it stops "
@@ -76,8 +77,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--priority-step-stretch", type=float, default=DEFAULT_PRIORITY_STEP_STRETCH,
                    metavar="X",
                    help="less urgent work while the step's predicted time (learned from "
-                        "the steps run) stays within X times what the urgent decodes cost "
-                        "alone, in place of those tokens; 1 = the tokens only (default 2)")
+                        "the protected steps run) stays within X times what the urgent "
+                        "decodes cost alone, in place of those tokens; 1 = the tokens only "
+                        "(default 2)")
     g.add_argument("--speculative-config", type=parse_speculative_config, default={},
                    metavar="JSON",
                    help='speculative decoding from the context, as vLLM\'s: \'{"method": '
