@@ -44,7 +44,7 @@ from kvscope.engine.scheduler import (
 )
 from kvscope.engine.sequence import Sequence
 from kvscope.engine.spec_decode import SPEC_SETTINGS, SpecDecoder
-from kvscope.engine.step_cost import step_shape
+from kvscope.engine.step_cost import StepShape, step_shape
 from kvscope.engine.step_interrupt import (
     StepInterrupt,
     StepInterrupted,
@@ -356,9 +356,16 @@ class LLMEngine:
             deltas += self._append_tokens(sampling, sample(logits, sampling))
         self.spec.end_step(sum(len(d.token_ids) for d in deltas))
         self.num_steps += 1
-        if self.scheduler.step_is_protected:  # the only steps whose cost is asked for
-            self.scheduler.step_cost.observe(shape, time.perf_counter() - started)
+        self._observe_cost(shape, time.perf_counter() - started)
         return StepResult(deltas, batch)
+
+    def _observe_cost(self, shape: StepShape, seconds: float) -> None:
+        """The scheduler's step-cost models: every step, and the protected ones apart (the
+        only steps whose cost is asked for)."""
+        sched = self.scheduler
+        sched.every_step_cost.observe(shape, seconds)
+        if sched.step_is_protected:
+            sched.step_cost.observe(shape, seconds)
 
     def _arm_interrupt(self, batch: list[ScheduledSeq]) -> None:
         """Let a request of higher priority abandon this step (engine.step_interrupt): only an

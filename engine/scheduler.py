@@ -86,8 +86,10 @@ class Scheduler:
         self.priority_hold_s = 0.0
         self.priority_step_stretch = 1.0
         # What protected steps cost, learned from the ones run (the engine observes each): a
-        # protected step's time allowance is in its predicted seconds.
+        # protected step's time allowance is in its predicted seconds. Until it is fitted,
+        # the same fitted over every step, on its relative error (engine/step_cost.py).
         self.step_cost = StepCost()
+        self.every_step_cost = StepCost(relative=True)
         self.waiting = WaitingQueue()
         self.running: list[Sequence] = []
         self._running_priorities: Counter[int] = Counter()  # of the running requests
@@ -292,8 +294,14 @@ class Scheduler:
         never one it has already scheduled."""
         return step_allowance(urgent, self.running, self.waiting.head() if self.waiting else None,
                               self._turns, lower_tokens=self.priority_lower_tokens,
-                              stretch=self.priority_step_stretch, cost=self.step_cost,
+                              stretch=self.priority_step_stretch, cost=self.cost_model,
                               prefill_left=prefill_left)
+
+    @property
+    def cost_model(self) -> StepCost:
+        """What a protected step's time is predicted with: the model of protected steps once
+        fitted, the one of every step before (not fitted either: the tokens alone)."""
+        return self.step_cost if self.step_cost.ready else self.every_step_cost
 
     def _make_room(self, seq: Sequence, need: int) -> bool:
         """Preempt the last running requests until seq's `need` new blocks are free; False if

@@ -22,7 +22,10 @@ the only steps it is asked about. Fitted over every step, the background's 48-ro
 between chats set the line: on an AVX2 EPYC it then put a small step's fixed part at 15 ms
 (7 in fact) and 4 prompt tokens at 14 ms (27 in fact), so the first seconds of each load
 beside a chat ran 40-ms steps at a stretch of 2 (the chat's ITL p99 56 ms, against 34 once
-the window held protected steps only; docs/scheduling.md).
+the window held protected steps only; docs/scheduling.md). Until MIN_STEPS protected steps
+were seen, a second model stands in: fitted over every step, each weighted by 1 / its
+seconds (`relative`: least squares on the relative error, so the many small steps are not
+outweighed by the few big ones; on that trace it put the fixed part at 7.6 ms).
 """
 from __future__ import annotations
 
@@ -75,6 +78,7 @@ class StepCost:
     refit_every: int = REFIT_EVERY
     min_steps: int = MIN_STEPS
     coef: tuple[float, float, float, float] | None = None  # fixed, row, decode key, chunk key
+    relative: bool = False  # fit the relative error (each step weighted by 1 / its seconds)
     _x: deque[tuple[float, float, float, float]] = field(default_factory=deque)
     _y: deque[float] = field(default_factory=deque)
     _since_fit: int = 0
@@ -96,6 +100,8 @@ class StepCost:
     def _fit(self) -> None:
         self._since_fit = 0
         x, y = np.asarray(self._x), np.asarray(self._y)
+        if self.relative:
+            x, y = x / y[:, None], np.ones_like(y)
         kept = [0, 1, 2, 3]
         while True:  # active set: drop what comes out negative, refit the rest
             got, *_ = np.linalg.lstsq(x[:, kept], y, rcond=None)

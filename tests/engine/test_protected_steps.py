@@ -222,6 +222,22 @@ def test_time_allowance_starts_once_the_model_has_seen_enough_steps():
     assert step.pop(fg.request_id) == 1 and len(step) > 2
 
 
+def test_the_every_step_model_stands_in_until_the_protected_one_is_fitted():
+    """Before MIN_STEPS protected steps, the model of every step (fitted on its relative
+    error) sets the time allowance in place of the tokens; once the protected steps' model
+    is fitted, that one does."""
+    sim, _ = decoding_sim(12, lower=2, stretch=3.0)
+    sim.sched.every_step_cost = StepCost(coef=COST, relative=True)
+    fg = sim.add([0, 1, 2], max_tokens=200, priority=-1)
+    composition(sim)  # the urgent prefill
+    assert not sim.sched.step_cost.ready
+    step = composition(sim)
+    assert step.pop(fg.request_id) == 1 and len(step) == 7  # COST at a stretch of 3: 7 rows
+    sim.sched.step_cost = StepCost(coef=(0.006, 0.006, 0.0, 0.0))  # 2 x 12 ms: 4 6-ms rows
+    step = composition(sim)
+    assert step.pop(fg.request_id) == 1 and len(step) == 4
+
+
 def test_time_allowance_respects_the_prefill_cap_for_a_chunk():
     """A less urgent prompt's chunk takes the seconds left, at most the step's prefill cap."""
     sim, bg = decoding_sim(1, lower=1, cap=4, stretch=6.0,

@@ -6,7 +6,14 @@ import random
 
 import pytest
 
-from kvscope.engine.step_cost import MIN_STEPS, StepCost, StepShape, step_shape, work_keys
+from kvscope.engine.step_cost import (
+    MIN_STEPS,
+    WINDOW,
+    StepCost,
+    StepShape,
+    step_shape,
+    work_keys,
+)
 
 TRUE = (0.006, 0.0007, 0.0019, 0.0077)  # fixed, per row, per 1k decode keys, per 10k chunk keys
 
@@ -90,11 +97,41 @@ def test_tokens_within_is_the_most_that_fit():
     assert cost.work_seconds(999, 1) == pytest.approx(0.0007 + 0.0019)
 
 
+def test_a_relative_fit_is_not_set_by_the_few_big_steps():
+    """Mostly big background steps (40-48 rows) and a few small ones whose cost is not on the
+    big ones' line (a fixed part and a slope of their own, as a CPU's were): the plain fit
+    follows the big steps and misses the small ones by a fifth; weighted by 1 / seconds it
+    stays within a tenth of them."""
+    def small(rows: int) -> float:
+        return 0.007 + 0.004 * rows
+
+    def big(rows: int) -> float:
+        return 0.058 + 0.0022 * rows
+
+    rng = random.Random(0)
+    steps = []
+    for i in range(WINDOW):
+        if i % 5 == 0:
+            rows = rng.randrange(1, 7)
+            steps.append((rows, small(rows)))
+        else:
+            rows = rng.randrange(40, 49)
+            steps.append((rows, big(rows)))
+    errors = {}
+    for relative in (False, True):
+        cost = StepCost(relative=relative)
+        for rows, seconds in steps:
+            cost.observe(StepShape(rows, 0, 0), seconds)
+        errors[relative] = max(abs(cost.predict(StepShape(r, 0, 0)) - small(r)) / small(r)
+                               for r in range(1, 7))
+    assert errors[False] > 0.2 and errors[True] < 0.1, errors
+
+
 def test_the_engine_observes_its_protected_steps_only(tmp_path):
     """A real engine (tiny model) times each protected step it ran (a chat beside a batch)
-    into its scheduler's model, and no other: after MIN_STEPS of them the model predicts, and
-    what it predicts grows with the work. Under fcfs, where no step is protected, it learns
-    nothing."""
+    into its scheduler's model, and no other (every step goes to the stand-in model): after
+    MIN_STEPS of them the model predicts, and what it predicts grows with the work. Under
+    fcfs, where no step is protected, it learns nothing."""
     import torch
 
     from kvscope.engine.config import EngineConfig
@@ -126,6 +163,9 @@ def test_the_engine_observes_its_protected_steps_only(tmp_path):
                 else:
                     unprotected += 1
         counts[policy] = (protected, unprotected, engine.scheduler.step_cost)
+        # the stand-in model sees every step, relative error
+        every = engine.scheduler.every_step_cost
+        assert every.relative and len(every.observed_seconds) == protected + unprotected
     protected, unprotected, cost = counts["priority"]
     assert unprotected > 0  # the batch alone once the chat ended: not observed
     assert len(cost.observed_seconds) == protected >= MIN_STEPS and cost.ready
