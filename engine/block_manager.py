@@ -2,15 +2,17 @@
 
 A block is in exactly one of three states: in use (ref_count > 0), cached-free (ref_count 0 but
 its content hash is still registered, so a later request with the same prefix can take it back)
-or free. Allocation prefers free blocks and only then evicts cached-free ones, least recently
-released first, so the prefix cache lives as long as memory allows.
+or free. Allocation prefers free blocks and only then evicts cached-free ones, those released
+by the least urgent requests first, then the least recently released (engine/cached_free.py),
+so the prefix cache lives as long as memory allows.
 """
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
 
 from kvscope.engine.cache_events import BlockCached, BlockUncached, CacheEvent
+from kvscope.engine.cached_free import CachedFree
 from kvscope.engine.sequence import Sequence
 
 # A block-table entry whose block was released because it lies wholly behind a sliding
@@ -39,7 +41,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_blocks: deque[int] = deque(range(num_blocks))
-        self.cached_free: OrderedDict[int, None] = OrderedDict()
+        self.cached_free = CachedFree()
         self.hash_to_block: dict[int, int] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -157,8 +159,10 @@ class BlockManager:
         # else: the same content was computed twice concurrently; this copy stays private.
 
     # -- release ---------------------------------------------------------------------------
-    def free(self, seq: Sequence) -> None:
-        """Drop seq's references; tail blocks are released first so they are evicted first."""
+    def free(self, seq: Sequence, priority: int = 0) -> None:
+        """Drop seq's references; tail blocks are released first so they are evicted first.
+        priority: seq's, where it counts (lower = more urgent): the blocks it leaves cached
+        are evicted after those of less urgent requests."""
         for block_id in reversed(seq.block_table):
             if block_id == FREED:
                 break  # freed entries are a prefix of the table: nothing before is held
@@ -166,7 +170,7 @@ class BlockManager:
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
-                self._release(block)
+                self._release(block, priority)
         seq.block_table = []
         seq.num_computed_tokens = 0
 
@@ -220,7 +224,7 @@ class BlockManager:
         for block_id in block_ids:
             self._forget(self.blocks[block_id])
             if block_id in self.cached_free:  # freed since: with no hash it is plain free
-                del self.cached_free[block_id]
+                self.cached_free.remove(block_id)
                 self.free_blocks.append(block_id)
 
     def reset_prefix_cache(self) -> None:
@@ -230,9 +234,9 @@ class BlockManager:
         self.cached_free.clear()
 
     # -- internals -------------------------------------------------------------------------
-    def _release(self, block: Block) -> None:
+    def _release(self, block: Block, priority: int = 0) -> None:
         if block.hash is not None:
-            self.cached_free[block.block_id] = None
+            self.cached_free.add(block.block_id, priority)
         else:
             block.token_ids = ()
             self.free_blocks.append(block.block_id)
@@ -240,14 +244,14 @@ class BlockManager:
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
-            del self.cached_free[block_id]
+            self.cached_free.remove(block_id)
         block.ref_count += 1
 
     def _pop_free_block(self) -> int:
         if self.free_blocks:
             block_id = self.free_blocks.popleft()
         else:
-            block_id, _ = self.cached_free.popitem(last=False)
+            block_id = self.cached_free.pop_victim()
             self._forget(self.blocks[block_id])
         self.blocks[block_id].ref_count = 1
         return block_id

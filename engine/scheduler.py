@@ -453,11 +453,16 @@ class Scheduler:
         if not counts[p]:
             del counts[p]
 
+    def _free_blocks(self, seq: Sequence) -> None:
+        """Give seq's blocks back; under "priority" what it leaves in the prefix cache is
+        evicted after the less urgent requests' (engine/cached_free.py)."""
+        self.block_manager.free(seq, seq.params.priority if self.policy == "priority" else 0)
+
     def preempt(self, seq: Sequence, reason: str = "memory") -> None:
         self._leave_running(seq)
         blocks = tuple(seq.block_table)
         self._thrown[seq] = seq.num_computed_tokens
-        self.block_manager.free(seq)
+        self._free_blocks(seq)
         seq.status = SequenceStatus.WAITING
         seq.wait_reason = "preempted"
         seq.num_preemptions += 1
@@ -475,7 +480,7 @@ class Scheduler:
             self.waiting.remove(seq)
         if seq in self._order:  # live until now (not finished before)
             self._left(seq)
-        self.block_manager.free(seq)
+        self._free_blocks(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.wait_reason = ""

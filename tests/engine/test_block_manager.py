@@ -506,3 +506,28 @@ def test_prefix_hits_equal_committed_full_blocks(num_blocks, bs, prompt, tail, k
     hits = bm.match_prefix(make_seq(other))
     assert len(hits) == min(common // bs, (len(prompt)) // bs, (len(other) - 1) // bs)
     assert hits == first.block_table[:len(hits)]
+
+
+def test_a_more_urgent_releasers_cached_blocks_are_evicted_last():
+    """Cached-free blocks go least urgent releaser first, then least recently released: a
+    chat's prefix (released first, at -1) outlives a later background request's (at 0),
+    and is still evictable once nothing else is left (the pool's capacity is unchanged)."""
+    bm = BlockManager(6, 2, enable_prefix_caching=True)
+    chat, bg = make_seq([1, 2, 3, 4, 5]), make_seq([7, 8, 9, 10, 11])
+    prefill(bm, chat)
+    prefill(bm, bg)
+    chat_blocks, bg_blocks = chat.block_table[:2], bg.block_table[:2]
+    bm.free(chat, priority=-1)
+    bm.free(bg)
+    assert list(bm.cached_free) == bg_blocks[::-1] + chat_blocks[::-1]  # eviction order
+    assert bm.num_free_blocks == 6
+    new = make_seq([20, 21, 22, 23, 24, 25, 26])  # 4 blocks: 2 free, then 2 evicted
+    prefill(bm, new)
+    assert bm.match_prefix(make_seq([1, 2, 3, 4, 5])) == chat_blocks  # the chat's stayed
+    assert bm.match_prefix(make_seq([7, 8, 9, 10, 11])) == []
+    more = make_seq([30, 31, 32])  # 2 blocks: only the chat's are left to evict
+    prefill(bm, more)
+    assert bm.match_prefix(make_seq([1, 2, 3, 4, 5])) == [] and not bm.cached_free
+    check_invariants(bm, [new, more])
+    with pytest.raises(KeyError):
+        bm.append_blocks(more, 1)  # nothing free, nothing cached: as before

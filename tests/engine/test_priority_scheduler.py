@@ -327,3 +327,23 @@ def test_cli_flags_reach_the_config():
     assert (cfg.priority_lower_tokens, cfg.priority_hold_s) == (7, 1.5)
     with pytest.raises(SystemExit):
         p.parse_args(["--scheduling-policy", "lifo"])
+
+
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+def test_a_chats_prefix_cache_outlives_the_background_under_priority(policy):
+    """Under "priority" a finished chat's cached prompt blocks are evicted after those of a
+    background request that finished later; under fcfs (priority ignored) least recently
+    released first, so the chat's go first."""
+    sim = psim(num_blocks=12, bs=2, caching=True, max_seqs=4, policy=policy)
+    chat = sim.add([0, 1, 2, 1, 0], max_tokens=1, priority=-1)
+    sim.drain()
+    bg = sim.add([2, 2, 1, 1, 0], max_tokens=1)
+    sim.drain()
+    assert sim.bm.num_cached_free_blocks == 4  # two full prompt blocks each
+    assert sim.bm.num_free_blocks - sim.bm.num_cached_free_blocks == 8
+    sim.add([1, 0, 0, 2, 2, 1, 0, 1, 2, 0, 1, 0, 2, 1, 1, 0, 0, 1, 2], max_tokens=1)  # 10 blocks
+    sim.drain()
+    probe = {name: Sequence(name, list(s.prompt_token_ids), SamplingParams())
+             for name, s in (("chat", chat), ("bg", bg))}
+    kept = {name: len(sim.bm.match_prefix(s)) for name, s in probe.items()}
+    assert kept == ({"chat": 2, "bg": 0} if policy == "priority" else {"chat": 0, "bg": 2})
