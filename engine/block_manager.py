@@ -42,6 +42,9 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_blocks: deque[int] = deque(range(num_blocks))
         self.cached_free = CachedFree()
+        # Whether a released block's eviction waits on its releaser's priority (the scheduler
+        # sets it under the priority policy; otherwise least recently released first).
+        self.evict_by_priority = False
         self.hash_to_block: dict[int, int] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -159,10 +162,9 @@ class BlockManager:
         # else: the same content was computed twice concurrently; this copy stays private.
 
     # -- release ---------------------------------------------------------------------------
-    def free(self, seq: Sequence, priority: int = 0) -> None:
-        """Drop seq's references; tail blocks are released first so they are evicted first.
-        priority: seq's, where it counts (lower = more urgent): the blocks it leaves cached
-        are evicted after those of less urgent requests."""
+    def free(self, seq: Sequence) -> None:
+        """Drop seq's references; tail blocks are released first so they are evicted first."""
+        priority = self._release_priority(seq)
         for block_id in reversed(seq.block_table):
             if block_id == FREED:
                 break  # freed entries are a prefix of the table: nothing before is held
@@ -189,6 +191,7 @@ class BlockManager:
         table = seq.block_table
         dead = min(max(0, seq.num_computed_tokens - window + 1) // self.block_size, len(table))
         released: list[int] = []
+        priority = self._release_priority(seq)
         # Freed entries form a prefix, so walking back from the last dead one stops at once
         # in the common case (one new dead block every block_size steps, or none).
         i = dead - 1
@@ -199,7 +202,7 @@ class BlockManager:
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
-                self._release(block)
+                self._release(block, priority)
             released.append(block_id)
             i -= 1
         return released
@@ -209,13 +212,14 @@ class BlockManager:
         returns the released block ids, latest first."""
         released: list[int] = []
         table = seq.block_table
+        priority = self._release_priority(seq)
         while len(table) > num_blocks:
             block_id = table.pop()
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
-                self._release(block)
+                self._release(block, priority)
             released.append(block_id)
         return released
 
@@ -234,6 +238,10 @@ class BlockManager:
         self.cached_free.clear()
 
     # -- internals -------------------------------------------------------------------------
+    def _release_priority(self, seq: Sequence) -> int:
+        """Where seq's released blocks go in the eviction order (engine/cached_free.py)."""
+        return seq.params.priority if self.evict_by_priority else 0
+
     def _release(self, block: Block, priority: int = 0) -> None:
         if block.hash is not None:
             self.cached_free.add(block.block_id, priority)

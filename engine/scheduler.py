@@ -21,15 +21,17 @@ next token back for its whole chunk.
 
 priority, protected steps (priority_lower_tokens > 0): while a request of strictly higher
 priority than others is live (running or waiting), or finished less than priority_hold_s ago,
-each step carries priority_lower_tokens tokens of the less urgent work (once the cost model,
-engine/step_cost.py, is fitted to the steps run: what keeps the step's predicted time within
-priority_step_stretch times what the urgent decodes cost alone, at least one token), handed
-out round-robin over the less urgent running requests (then to their admissions), so the
-step, which every token in it waits for, stays close to the urgent requests' own step time.
+each step carries priority_lower_tokens tokens of the less urgent work (once a cost model,
+engine/step_cost.py, is fitted: what keeps the step's predicted time within
+priority_step_stretch times what the urgent decodes cost alone, at least one token; one token
+while urgent work waits or prefills), handed out round-robin over the less urgent running
+requests (then to their admissions), so the step, which every token in it waits for, stays
+close to the urgent requests' own step time.
 The urgent requests' prefill is not capped by the less urgent decodes. The less urgent head
 of the waiting queue takes turns too, so every less urgent running request gets a token
 within len(them) + len(waiting) steps (docs/scheduling.md has the measurements and what the
-background loses).
+background loses). Under priority the prefix cache also evicts the blocks less urgent
+requests left before the more urgent ones' (engine/cached_free.py).
 """
 from __future__ import annotations
 
@@ -130,6 +132,8 @@ class Scheduler:
         self.priority_lower_tokens = priority_lower_tokens
         self.priority_hold_s = priority_hold_s
         self.priority_step_stretch = priority_step_stretch
+        # what a request leaves in the prefix cache is evicted after less urgent ones' blocks
+        self.block_manager.evict_by_priority = policy == "priority"
         if (policy, priority_aging_s) == (self.policy, self.priority_aging_s):
             return
         self.policy, self.priority_aging_s = policy, priority_aging_s
@@ -453,16 +457,11 @@ class Scheduler:
         if not counts[p]:
             del counts[p]
 
-    def _free_blocks(self, seq: Sequence) -> None:
-        """Give seq's blocks back; under "priority" what it leaves in the prefix cache is
-        evicted after the less urgent requests' (engine/cached_free.py)."""
-        self.block_manager.free(seq, seq.params.priority if self.policy == "priority" else 0)
-
     def preempt(self, seq: Sequence, reason: str = "memory") -> None:
         self._leave_running(seq)
         blocks = tuple(seq.block_table)
         self._thrown[seq] = seq.num_computed_tokens
-        self._free_blocks(seq)
+        self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.wait_reason = "preempted"
         seq.num_preemptions += 1
@@ -480,7 +479,7 @@ class Scheduler:
             self.waiting.remove(seq)
         if seq in self._order:  # live until now (not finished before)
             self._left(seq)
-        self._free_blocks(seq)
+        self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.wait_reason = ""

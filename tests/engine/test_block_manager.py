@@ -513,11 +513,13 @@ def test_a_more_urgent_releasers_cached_blocks_are_evicted_last():
     chat's prefix (released first, at -1) outlives a later background request's (at 0),
     and is still evictable once nothing else is left (the pool's capacity is unchanged)."""
     bm = BlockManager(6, 2, enable_prefix_caching=True)
-    chat, bg = make_seq([1, 2, 3, 4, 5]), make_seq([7, 8, 9, 10, 11])
+    bm.evict_by_priority = True  # the scheduler's setting under the priority policy
+    chat = Sequence("chat", [1, 2, 3, 4, 5], SamplingParams(max_tokens=4, priority=-1))
+    bg = make_seq([7, 8, 9, 10, 11])
     prefill(bm, chat)
     prefill(bm, bg)
     chat_blocks, bg_blocks = chat.block_table[:2], bg.block_table[:2]
-    bm.free(chat, priority=-1)
+    bm.free(chat)
     bm.free(bg)
     assert list(bm.cached_free) == bg_blocks[::-1] + chat_blocks[::-1]  # eviction order
     assert bm.num_free_blocks == 6

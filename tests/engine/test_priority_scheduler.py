@@ -347,3 +347,6 @@ def test_a_chats_prefix_cache_outlives_the_background_under_priority(policy):
              for name, s in (("chat", chat), ("bg", bg))}
     kept = {name: len(sim.bm.match_prefix(s)) for name, s in probe.items()}
     assert kept == ({"chat": 2, "bg": 0} if policy == "priority" else {"chat": 0, "bg": 2})
+    other = "fcfs" if policy == "priority" else "priority"  # switched in place, as a reconfigure
+    sim.sched.configure(other, 0.0, 0)
+    assert sim.bm.evict_by_priority == (other == "priority")
