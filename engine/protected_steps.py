@@ -104,23 +104,22 @@ def step_allowance(urgent: int, running: list[Sequence], waiting_head: Sequence 
     lower = [s for s in running if s.params.priority > urgent]
     mine = [s for s in running if s.params.priority <= urgent]
     if urgent_waits or any(s.num_tokens - s.num_computed_tokens != 1 for s in mine):
-        return hand_out_turns(1, lower, head, turns.last, turns.stamps)
+        return hand_out_turns(1, lower, head, turns)
     within = None
     if stretch > 1.0 and cost.ready:  # (stretch - 1) x what the urgent decodes cost alone
         alone = cost.fixed_seconds + sum(cost.work_seconds(s.num_computed_tokens, 1)
                                          for s in mine)
         within = TimeAllowance(cost, (stretch - 1.0) * alone, prefill_left)
-    return hand_out_turns(lower_tokens, lower, head, turns.last, turns.stamps, within)
+    return hand_out_turns(lower_tokens, lower, head, turns, within)
 
 
 def hand_out_turns(allowance: int, lower_running: list[Sequence], lower_head: Sequence | None,
-                   last_turn: dict[Sequence, int], stamps: Iterator[int],
-                   within: TimeAllowance | None = None) -> LowerAllowance:
+                   turns: Turns, within: TimeAllowance | None = None) -> LowerAllowance:
     """Promise the step's allowance to the less urgent requests whose last turn is the longest
     ago (a decode is a token, a prefill chunk up to all of it); lower_head, the waiting queue's
     head when it is less urgent, takes part (else the running ones' decodes would spend every
     allowance and it would wait, and the urgent requests queued behind it, until they
-    finished). Records the next of `stamps` (rising) as the last turn of each one served, in
+    finished). Records the next of `turns.stamps` (rising) as the last turn of each one served, in
     the order served: two served in one step are not tied in the next, so the order rotates
     even when the allowance does not divide their number. `within`: the seconds the step may
     add, in place of the `allowance` tokens (None while the model is still learning, at a
@@ -129,6 +128,7 @@ def hand_out_turns(allowance: int, lower_running: list[Sequence], lower_head: Se
     candidates = list(lower_running)
     if lower_head is not None:
         candidates.append(lower_head)
+    last_turn = turns.last
     candidates.sort(key=lambda s: last_turn.get(s, -1))
     result = LowerAllowance()
     left = allowance if within is None else 0
@@ -149,7 +149,7 @@ def hand_out_turns(allowance: int, lower_running: list[Sequence], lower_head: Se
         if take <= 0:
             continue
         served = True
-        last_turn[seq] = next(stamps)
+        last_turn[seq] = next(turns.stamps)
         if seq is lower_head:
             result.reserve = take
         else:
