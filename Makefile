@@ -44,7 +44,7 @@ lint-imports: setup stage
 	cd $(LINT_TREE) && PYTHONPATH=. $(CURDIR)/$(VENV)/bin/lint-imports $(CURDIR)/pyproject.toml
 
 # What it checks, and how strictly: pyproject.toml's [tool.mypy]. The reported paths are mapped
-# back from the copy (kvscope/engine/model.py) to the files to open (engine/model.py).
+# back from the copy (kvscope/engine/model/paged_decoder.py) to the files to open (engine/model/paged_decoder.py).
 typecheck: setup stage
 	set -o pipefail; cd $(LINT_TREE) && $(CURDIR)/$(VENV)/bin/mypy \
 		--config-file $(CURDIR)/pyproject.toml --cache-dir $(CURDIR)/build/mypy-cache \

@@ -80,7 +80,7 @@ def llama_rates(args: argparse.Namespace, gguf: str) -> dict[int, float] | str:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from kvscope.engine.model_files import default_gguf_path
+    from kvscope.engine.loading.checkpoint_files import default_gguf_path
 
     result = {"prompt": args.prompt, "tokens": args.tokens, "threads": args.threads,
               "kvscope": kvscope_rates(args)}

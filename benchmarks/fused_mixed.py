@@ -1,5 +1,5 @@
 """A step of decodes plus one prompt chunk: the fused CPU decode (each prompt token a row,
-engine/fused_rows.py) against the ordinary forward, on the same captured step.
+engine/model/fused/rows.py) against the ordinary forward, on the same captured step.
 
     python -m kvscope.benchmarks.fused_mixed [--decodes 16] [--chunks 1 4 16 32 64 128]
         [--contexts 0 2048] [--repeats 7] [--kv-dtype float32] [--json]
@@ -9,7 +9,7 @@ request is given a prompt of context + chunk tokens and prefilled until only `ch
 left, so the captured step holds the decodes and a chunk reading `context` earlier keys. The
 step is then run through the model's forward with the fused decode on and off, alternating,
 --repeats times each; the table has the median milliseconds and their ratio. It is what
-MAX_ROWS and MAX_KEYS of engine/fused_rows.py stand on: the fused step wins while its ratio
+MAX_ROWS and MAX_KEYS of engine/model/fused/rows.py stand on: the fused step wins while its ratio
 is under 1.
 """
 from __future__ import annotations

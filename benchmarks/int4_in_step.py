@@ -32,7 +32,7 @@ SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o, gate_up, 
 def weights(layers: int) -> list[list[tuple[object, object]]]:
     import torch
 
-    from kvscope.engine.weight_formats import quantize_int4
+    from kvscope.engine.model.weight_formats import quantize_int4
 
     got = []
     for _ in range(layers):

@@ -43,9 +43,9 @@ def filled_engine(num_blocks: int, block_size: int, num_seqs: int, seed: int = 0
     """Just what blocks_frame reads: a pool about 90 % used by requests sharing a prefix."""
     from types import SimpleNamespace
 
-    from kvscope.engine.block_manager import BlockManager
+    from kvscope.engine.kv_cache.block_manager import BlockManager
     from kvscope.engine.sampling_params import SamplingParams
-    from kvscope.engine.scheduler import Scheduler
+    from kvscope.engine.scheduling.scheduler import Scheduler
     from kvscope.engine.sequence import Sequence
 
     rng = random.Random(seed)

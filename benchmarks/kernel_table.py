@@ -40,7 +40,7 @@ def model_decisions(model: Any, concurrency: int) -> list[tuple[Any, int]]:
 
 def _decision_shape(lin: Any) -> tuple[object, ...] | None:
     """What a decision for this linear is keyed by, or None: no choice is made for it."""
-    from kvscope.engine.weight_formats import DenseLinear, Int4Linear, Int8Linear
+    from kvscope.engine.model.weight_formats import DenseLinear, Int4Linear, Int8Linear
     from kvscope.kernels import cpu_int4
 
     if isinstance(lin, DenseLinear) and lin.native:
@@ -54,7 +54,7 @@ def _decision_shape(lin: Any) -> tuple[object, ...] | None:
 
 def _name(lin: Any, rows: int) -> str:
     """The chooser's name for the decision of `rows` rows through this linear."""
-    from kvscope.engine.weight_formats import DenseLinear
+    from kvscope.engine.model.weight_formats import DenseLinear
     from kvscope.kernels import cpu_int4, cpu_linear, kernel_choice
 
     if not isinstance(lin, DenseLinear):
@@ -68,7 +68,7 @@ def _name(lin: Any, rows: int) -> str:
 
 def _ask(lin: Any, rows: int) -> None:
     """Make the decision for `rows` rows through this linear, unless it is made already."""
-    from kvscope.engine.weight_formats import DenseLinear
+    from kvscope.engine.model.weight_formats import DenseLinear
     from kvscope.kernels import cpu_int4, cpu_linear
 
     if isinstance(lin, DenseLinear):

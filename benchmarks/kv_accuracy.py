@@ -5,7 +5,7 @@
 
 For each KV dtype, with and without the K/V rotation (kernels/rotation.py) and the calibrated
 exact K shift and q/k balance on top of it (kernels/k_balance.py), and with and without anchor
-tokens (engine/kv_anchors.py: the first positions of each opening kept exact) -- 1-byte dtypes
+tokens (engine/kv_cache/anchors.py: the first positions of each opening kept exact) -- 1-byte dtypes
 only, where they matter -- over the chat prompts of resources/kv_accuracy_prompts.txt (40,
 chosen before any measurement): prefix agreement (share of generated positions before the first
 token that differs from the float32-KV continuation, the number a user feels), positional
@@ -188,7 +188,7 @@ def measure_rows(args: argparse.Namespace) -> dict:
 
     from kvscope.engine import EngineConfig
     from kvscope.engine.llm import LLM
-    from kvscope.engine.loader import load_model
+    from kvscope.engine.loading.loader import load_model
 
     loaded = load_model(args.model, torch.float32)
     # Dense float32 weights: the KV dtype is the only thing that differs from the reference.

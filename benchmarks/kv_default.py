@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> dict:
     from kvscope.benchmarks.kv_accuracy import TEXT, load_prompts, measure, reference_of
     from kvscope.engine import EngineConfig
     from kvscope.engine.llm import LLM
-    from kvscope.engine.loader import load_model
+    from kvscope.engine.loading.loader import load_model
 
     loaded = load_model(args.model, torch.float32)
     settings = [parse_setting(s) for s in args.settings]

@@ -83,7 +83,7 @@ class Listener(threading.Thread):
 def isolated_flush_us(engine, feed, block_size: int, n: int = 2000) -> float:
     """The same hand-over without the model running beside it: one typical batch (a prompt's
     4 new full blocks stored, 2 evicted), the median of n flushes."""
-    from kvscope.engine.cache_events import BlockCached, BlockUncached
+    from kvscope.engine.kv_cache.events import BlockCached, BlockUncached
 
     records = [BlockCached(10 + i, 9 + i if i else None, tuple(range(block_size)))
                for i in range(4)] + [BlockUncached(1), BlockUncached(2)]

@@ -19,7 +19,7 @@ DOCUMENT_LENGTHS = [1024, 2048, 4096]
 
 def model_label(model: str) -> str:
     if model == "default":
-        from kvscope.engine.model_files import DEFAULT_GGUF_NAME
+        from kvscope.engine.loading.checkpoint_files import DEFAULT_GGUF_NAME
 
         return DEFAULT_GGUF_NAME
     return model
@@ -30,7 +30,7 @@ def build_engine(args: argparse.Namespace):
 
     from kvscope.engine import EngineConfig
     from kvscope.engine.llm import LLM
-    from kvscope.engine.loader import load_model
+    from kvscope.engine.loading.loader import load_model
 
     loaded = load_model(args.model, torch.float32)
     config = EngineConfig(model=args.model, block_size=args.block_size, weights="dense",

@@ -61,7 +61,7 @@ def tail_log_probs(engine, token_ids: list[int], num_rows: int) -> torch.Tensor:
     """[num_rows, vocab] log-softmax of the next-token distribution after each of the last
     num_rows prefixes of token_ids (the last one included), reusing cached prefix blocks."""
     from kvscope.engine.sampling_params import SamplingParams
-    from kvscope.engine.scheduler import ScheduledSeq
+    from kvscope.engine.scheduling.scheduler import ScheduledSeq
     from kvscope.engine.sequence import Sequence
 
     assert not engine.has_unfinished(), "score on an idle engine"

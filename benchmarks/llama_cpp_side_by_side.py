@@ -90,7 +90,7 @@ def llama_agreement(args, gguf: str, tokenizer) -> dict:
     from kvscope.benchmarks.kv_accuracy import PROMPTS
     from kvscope.benchmarks.single_stream import agreement, hf_reference, strip_eos
     from kvscope.engine.chat_template import chat_prompt_ids
-    from kvscope.engine.model_files import resolve_checkpoint
+    from kvscope.engine.loading.checkpoint_files import resolve_checkpoint
 
     prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": q}]) for q in PROMPTS]
     cfg = {"gguf": gguf, "threads": args.threads, "prompts": prompts, "max_tokens": 48}
@@ -142,7 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from kvscope.benchmarks.kv_accuracy import common_prefix
     from kvscope.engine.chat_template import chat_prompt_ids
-    from kvscope.engine.model_files import default_gguf_path, load_tokenizer, resolve_checkpoint
+    from kvscope.engine.loading.checkpoint_files import (
+        default_gguf_path,
+        load_tokenizer,
+        resolve_checkpoint,
+    )
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     tokenizer = load_tokenizer(resolve_checkpoint("default"))

@@ -187,7 +187,7 @@ def measure_kvscope(args: argparse.Namespace) -> dict:
 
     from kvscope.engine.config import resolve_dtype
     from kvscope.engine.llm_engine import kv_dtype_name
-    from kvscope.engine.loader import load_model
+    from kvscope.engine.loading.loader import load_model
     from kvscope.kernels import kernel_choice, native
 
     torch.set_num_threads(args.threads)
@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"long_context: error: {e}", file=sys.stderr)
         return 2
     if not args.no_llama:
-        from kvscope.engine.model_files import default_gguf_path
+        from kvscope.engine.loading.checkpoint_files import default_gguf_path
 
         gguf = args.gguf or (str(default_gguf_path()) if args.model == "default" else None)
         result["llama.cpp"] = (measure_llama(args, gguf) if gguf else

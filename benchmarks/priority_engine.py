@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> dict:
     from kvscope.engine import LLM
     from kvscope.engine.cli.options import engine_config_from_args
     from kvscope.engine.config import resolve_device, resolve_dtype
-    from kvscope.engine.loader import load_model
+    from kvscope.engine.loading.loader import load_model
 
     config = replace(engine_config_from_args(args), scheduling_policy="priority")
     loaded = load_model(config.model, resolve_dtype(config.dtype, resolve_device(config.device)))

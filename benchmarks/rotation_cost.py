@@ -4,10 +4,9 @@
 
 Four engines on the same weights and the same int8 pool size -- plain, rotated (Hadamard),
 calibrated (Hadamard + the K shift and q/k balance) and calibrated with anchor tokens
-(engine/kv_anchors.py, the default) -- stepped alternately through the same decode batch so all
-see the same machine load; plus the transform's own ops timed alone (q balanced and rotated, k
-shifted, balanced and rotated, v rotated, the output rotated back, every layer) against the
-step.
+(engine/kv_cache/anchors.py, the default) -- stepped alternately through the same decode batch so
+all see the same machine load; plus the transform's own ops timed alone (q balanced and rotated, k
+shifted, balanced and rotated, v rotated, the output rotated back, every layer) against the step.
 
 On CUDA the rotation is fused into the Triton KV write and attention kernels (no separate
 op), so there the step difference is the figure; on CPU the torch path runs it as four small
@@ -30,7 +29,7 @@ def decode_engines(args):
 
     from kvscope.engine import EngineConfig, SamplingParams
     from kvscope.engine.llm_engine import LLMEngine
-    from kvscope.engine.loader import load_model
+    from kvscope.engine.loading.loader import load_model
 
     loaded = load_model(args.model, torch.float32 if args.device == "cpu" else torch.bfloat16)
     engines = {}

@@ -79,7 +79,7 @@ def run(args) -> dict:
 
     from kvscope.benchmarks.kv_accuracy import PROMPTS
     from kvscope.engine import LLM, EngineConfig, SamplingParams
-    from kvscope.engine.loader import load_model
+    from kvscope.engine.loading.loader import load_model
 
     loaded = load_model(args.model, torch.float32)
     results = {}

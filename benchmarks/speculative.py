@@ -226,7 +226,7 @@ def run(args: argparse.Namespace) -> dict:
     from kvscope.engine import LLM
     from kvscope.engine.cli.options import engine_config_from_args
     from kvscope.engine.config import resolve_device, resolve_dtype
-    from kvscope.engine.loader import load_model
+    from kvscope.engine.loading.loader import load_model
 
     config = engine_config_from_args(args)
     spec_config = config if config.speculative_method != "off" else \
@@ -286,7 +286,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def llama_cpp(args: argparse.Namespace, depth: int) -> dict | None:
     """llama-bench's decode tok/s at the quote prompt's depth, or None without llama-bench."""
-    from kvscope.engine.model_files import default_gguf_path
+    from kvscope.engine.loading.checkpoint_files import default_gguf_path
 
     tool = find_tool("llama-bench", args.llama_bin)
     if tool is None or args.model != "default":

@@ -3,15 +3,15 @@
     python -m kvscope.benchmarks.step_profile [--dtype bfloat16] [--weights dense] [--seqs 16]
         [--context 160] [--steps 20] [--threads N] [--json]
 
-N sequences decode at a given context length: each is prefilled with --context random tokens
-(no prefix sharing), then --steps decode steps of the engine are timed (LLM engine.step,
-greedy). Inside the step the model's attention calls (engine.model.paged_attention: the paged
-gather, QK^T, softmax and PV), its KV writes (engine.model.write_kv, quantizing for 1-byte KV)
+N sequences decode at a given context length: each is prefilled with --context random tokens (no
+prefix sharing), then --steps decode steps of the engine are timed (LLM engine.step, greedy). Inside
+the step the model's attention calls (engine.model.paged_decoder.paged_attention: the paged gather,
+QK^T, softmax and PV), its KV writes (engine.model.paged_decoder.write_kv, quantizing for 1-byte KV)
 and its matmul calls (each layer's qkv, o, gate_up and down, and the LM head) are timed with
-perf_counter wrappers, so the shares add up against the step's wall time on one thread of
-work. Shares, not absolute times, are what to compare on a shared machine.
+perf_counter wrappers, so the shares add up against the step's wall time on one thread of work.
+Shares, not absolute times, are what to compare on a shared machine.
 
-The one-region decode step (engine.fused_one_region) runs every layer's kernels inside one
+The one-region decode step (engine.model.fused.one_region) runs every layer's kernels inside one
 native call, where no wrapper sees them; so the profile runs the kernel-by-kernel fused step
 it replaces (KVSCOPE_ONE_REGION=off for the timed steps), the same kernels with a thread
 wake-up each: compare its step time with `long_context`'s, not with a user's.
@@ -60,12 +60,12 @@ class Clock:
 
 
 def instrument(model) -> dict[str, Clock]:
-    """Wrap the model's attention kernels and matmul weights (instance attributes and the
-    names engine.model and engine.fused_decode look up, so nothing in the engine changes).
-    A fused decode step (engine.fused_decode) writes K/V inside its RoPE call: that counts
-    as other."""
-    import kvscope.engine.fused_decode as fused
-    import kvscope.engine.model as model_module
+    """Wrap the model's attention kernels and matmul weights (instance attributes and the names
+    engine.model.paged_decoder and engine.model.fused.decode look up, so nothing in the engine
+    changes). A fused decode step (engine.model.fused.decode) writes K/V inside its RoPE call: that
+    counts as other."""
+    import kvscope.engine.model.fused.decode as fused
+    import kvscope.engine.model.paged_decoder as model_module
 
     clocks = {"attention": Clock(), "kv_write": Clock(), "matmul": Clock()}
     model_module.paged_attention = clocks["attention"].wrap(model_module.paged_attention)
@@ -103,12 +103,12 @@ def run(args) -> dict:
         engine.step()
     for _ in range(3):  # warm the decode path
         engine.step()
-    import kvscope.engine.fused_decode as fused
-    import kvscope.engine.model as model_module
+    import kvscope.engine.model.fused.decode as fused
+    import kvscope.engine.model.paged_decoder as model_module
 
     kernels = (model_module.paged_attention, model_module.write_kv)
     fused_kernels = (fused.attention, fused.int4, fused.dense)
-    from kvscope.engine import fused_one_region
+    from kvscope.engine.model.fused import one_region as fused_one_region
 
     clocks = instrument(engine.model)
     one_region = os.environ.get(fused_one_region.ENV)

@@ -11,7 +11,7 @@ if TYPE_CHECKING:  # annotations only: at run time the functions below import to
 
 KV_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8")
 # K/V rotation (kernels/rotation.py) and the exact K shift and q/k balance on top of it
-# (kernels/k_balance.py, calibrated once per model by engine/kv_calibration.py):
+# (kernels/k_balance.py, calibrated once per model by engine/kv_cache/calibration.py):
 # "calibrated" = Hadamard + K balance, "hadamard" = the rotation alone, "none" = plain.
 # "auto": "calibrated" for the 1-byte dtypes, where it halves int8's KL from float32 again
 # after the rotation's 4.4x (fp8: 1.9x in all; benchmarks/kv_accuracy.py, docs/kv-dtypes.md),
@@ -20,22 +20,23 @@ KV_ROTATIONS = ("auto", "calibrated", "hadamard", "none")
 MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 # Matmul weights: dense in the model dtype, or weight-only int4 / int8 (CPU); see
-# engine.weight_formats. 'auto' by default (resolve_weights): int4 on a CPU when the
+# engine.model.weight_formats. 'auto' by default (resolve_weights): int4 on a CPU when the
 # checkpoint is 4-bit already (the embedded Q4_1 GGUF), where it is about twice the speed of
 # dense float32 and agrees with Hugging Face float32 on most greedy replies
 # (docs/cpu-speed.md); dense everywhere else. 'dense' is the token-exact choice.
 WEIGHT_FORMATS = ("auto", "dense", "int4", "int8")
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
-# Anchor tokens (engine/kv_anchors.py): a 1-byte pool keeps the first N positions of each
+# Anchor tokens (engine/kv_cache/anchors.py): a 1-byte pool keeps the first N positions of each
 # opening exact in a small fixed table beside it (no bytes per token); 0 turns them off.
 # 4 by default: on the embedded model int8's mean KL from float32 KV falls 40 %
 # (benchmarks/kv_accuracy.py, docs/kv-dtypes.md). Float pools ignore it.
 DEFAULT_KV_ANCHOR_TOKENS = 4
 MAX_KV_ANCHOR_TOKENS = 64
-# Scheduling (engine/scheduler.py). "priority" by default: with every request at the default
-# priority 0 it schedules exactly as "fcfs" does (tests/engine/test_priority_properties.py
-# checks it step for step), so it costs nothing until a client sets a priority, and the
-# window's chat (priority -1) then overtakes background work out of the box.
+# Scheduling (engine/scheduling/scheduler.py). "priority" by default: with every request at the
+# default priority 0 it schedules exactly as "fcfs" does
+# (tests/engine/scheduling/test_priority_properties.py checks it step for step), so it costs nothing
+# until a client sets a priority, and the window's chat (priority -1) then overtakes background work
+# out of the box.
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # Aging: a request's effective priority improves by 1 per this many seconds since it arrived,
 # so a stream of urgent work cannot starve the rest; 0 = off. 60 s, measured
@@ -49,16 +50,16 @@ DEFAULT_PRIORITY_AGING_S = 60.0
 # (README): no cap, the chat's ITL p99 was 1.4 s; 64, 0.34 s; 32, 0.23 s, with background
 # throughput the same at 64 and 32 (0.8x of it alone, 0.88x with no cap).
 DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING = 32
-# Protected steps (engine/scheduler.py, docs/scheduling.md): while a request of higher priority
-# is live, or left less than priority_hold_s ago, a step carries at most priority_lower_tokens
-# tokens of less urgent work (round-robin); 0 = off. 8 by default, measured beside 16
-# background streams over the OpenAI API (benchmarks/priority_latency.py, 60 s phases,
-# 2026-12-06): the chat's TTFT p99 243 -> 74 ms and ITL p99 139 -> 28 ms (1.66x idle), for
-# 1-3 % of the background's throughput (105.3 against 108.2 tok/s; measured in alternating
-# windows later that day, 7 %: 0.83x -> 0.76x of the background alone). It used to cost the
-# background 0.3-0.6x, while float32 KV left its prompts short of memory.
+# Protected steps (engine/scheduling/scheduler.py, docs/scheduling.md): while a request of higher
+# priority is live, or left less than priority_hold_s ago, a step carries at most
+# priority_lower_tokens tokens of less urgent work (round-robin); 0 = off. 8 by default, measured
+# beside 16 background streams over the OpenAI API (benchmarks/priority_latency.py, 60 s phases,
+# 2026-12-06): the chat's TTFT p99 243 -> 74 ms and ITL p99 139 -> 28 ms (1.66x idle), for 1-3 % of
+# the background's throughput (105.3 against 108.2 tok/s; measured in alternating windows later that
+# day, 7 %: 0.83x -> 0.76x of the background alone). It used to cost the background 0.3-0.6x, while
+# float32 KV left its prompts short of memory.
 DEFAULT_PRIORITY_LOWER_TOKENS = 8
-# ... and more while the step's predicted time (engine/step_cost.py, learned from the
+# ... and more while the step's predicted time (engine/scheduling/step_cost.py, learned from the
 # protected steps run) stays within this many times what the urgent decodes cost alone; 1 =
 # the tokens only. 2: the chat's ITL p99 within the 2x idle asked on both CPUs measured. On
 # an AVX2 EPYC (2026-12-07, 60-second windows) 2 gave 1.96x and 3 4.11x (20-second windows:
@@ -68,11 +69,11 @@ DEFAULT_PRIORITY_LOWER_TOKENS = 8
 DEFAULT_PRIORITY_STEP_STRETCH = 2.0
 # Protected steps went on this long after the urgent requests left, so a chat's next turn
 # started within a short step. Since a step of only less urgent work gives way to an urgent
-# arrival (engine/step_interrupt.py) that costs the background more than it saves: with the
+# arrival (engine/model/step_interrupt.py) that costs the background more than it saves: with the
 # 4-bit tiles, 5 s kept it at 0.51x of its output alone, 0 at 0.68x, the chat's TTFT p99
 # 1.34x and 1.04x idle (docs/scheduling.md). 0 by default.
 DEFAULT_PRIORITY_HOLD_S = 0.0
-# Speculative decoding from the context (engine/spec_ngram.py, docs/speculative.md): "off" or
+# Speculative decoding from the context (engine/spec_decode/ngram.py, docs/speculative.md): "off" or
 # "ngram" (prompt lookup, vLLM's names and defaults for K and the n-gram lengths).
 SPECULATIVE_METHODS = ("off", "ngram")
 MAX_SPECULATIVE_TOKENS = 16

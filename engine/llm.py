@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from kvscope.engine.chat_template import chat_prompt_ids
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.llm_engine import LLMEngine
-from kvscope.engine.loader import LoadedModel
+from kvscope.engine.loading.loader import LoadedModel
 from kvscope.engine.outputs import RequestOutput
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.ipc.messages import EngineStats
@@ -22,7 +22,7 @@ Messages = list[dict[str, str]]  # one conversation: [{"role": ..., "content": .
 class LLM:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
                  **overrides: Any) -> None:
-        """`loaded` (an engine.loader.LoadedModel) reuses weights already in memory."""
+        """`loaded` (an engine.loading.loader.LoadedModel) reuses weights already in memory."""
         config = config or EngineConfig(**overrides)
         self.engine = LLMEngine(config, loaded)
 

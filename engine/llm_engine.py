@@ -12,8 +12,6 @@ from typing import Any, Protocol
 
 import torch
 
-from kvscope.engine import kv_memory
-from kvscope.engine.block_manager import BlockManager
 from kvscope.engine.config import (
     EngineConfig,
     resolve_device,
@@ -22,36 +20,38 @@ from kvscope.engine.config import (
     resolve_kv_rotation,
 )
 from kvscope.engine.detokenizer import Decoder, decode_delta, decode_rest
-from kvscope.engine.kv_cache import (
+from kvscope.engine.kv_cache import memory as kv_memory
+from kvscope.engine.kv_cache.block_manager import BlockManager
+from kvscope.engine.kv_cache.calibration import calibrate_k_balance
+from kvscope.engine.kv_cache.pool import (
     KVPool,
     kv_bytes_per_token,
     num_blocks_for_budget,
     pool_bytes,
 )
-from kvscope.engine.kv_calibration import calibrate_k_balance
-from kvscope.engine.loader import LoadedModel, load_model
-from kvscope.engine.model import PagedLlama
-from kvscope.engine.model_family import layer_windows
+from kvscope.engine.loading.loader import LoadedModel, load_model
+from kvscope.engine.model.family import layer_windows
+from kvscope.engine.model.paged_decoder import PagedLlama
+from kvscope.engine.model.step_interrupt import (
+    StepInterrupt,
+    StepInterrupted,
+    interrupts_enabled,
+)
+from kvscope.engine.model.weight_formats import resolve_weights
 from kvscope.engine.model_runner import ModelRunner
 from kvscope.engine.outputs import RequestOutput, StepResult, TokenDelta
 from kvscope.engine.sampler import make_generator, sample
 from kvscope.engine.sampling_params import SamplingParams
-from kvscope.engine.scheduler import (
+from kvscope.engine.scheduling.roll_back import roll_back
+from kvscope.engine.scheduling.scheduler import (
     SCHEDULING_SETTINGS,
     ScheduledSeq,
     Scheduler,
     scheduler_for,
 )
+from kvscope.engine.scheduling.step_cost import StepShape, step_shape
 from kvscope.engine.sequence import Sequence
-from kvscope.engine.spec_decode import SPEC_SETTINGS, SpecDecoder
-from kvscope.engine.step_cost import StepShape, step_shape
-from kvscope.engine.step_interrupt import (
-    StepInterrupt,
-    StepInterrupted,
-    interrupts_enabled,
-    roll_back,
-)
-from kvscope.engine.weight_formats import resolve_weights
+from kvscope.engine.spec_decode.decoder import SPEC_SETTINGS, SpecDecoder
 from kvscope.ipc.messages import EngineStats
 from kvscope.kernels.k_balance import KBalanceLayer
 from kvscope.kernels.rotation import matrix_name
@@ -120,7 +120,7 @@ class LLMEngine:
         # The model's calibrated K balance (kernels/k_balance.py), per layer: computed the
         # first time a pool wants it, then kept across reconfigures. None: not computed yet.
         self._k_balance_layers: list[KBalanceLayer] | None = None
-        self.spec = SpecDecoder(config)  # speculative decoding (engine.spec_decode)
+        self.spec = SpecDecoder(config)  # speculative decoding (engine.spec_decode.decoder)
         # A request of higher priority may abandon a step of less urgent work midway.
         self.interrupt = self.model.interrupt = StepInterrupt()
         self._interrupts = interrupts_enabled()
@@ -153,7 +153,7 @@ class LLMEngine:
 
     def _release_pool(self) -> None:
         """Let the old pool go (the runner holds it too) and hand its memory back before the
-        new one is built, so a rebuild never holds two pools (engine.kv_memory). Absent
+        new one is built, so a rebuild never holds two pools (engine.kv_cache.memory). Absent
         already when a rebuild failed and the old settings are being restored."""
         for name in ("runner", "pool"):
             self.__dict__.pop(name, None)
@@ -166,7 +166,7 @@ class LLMEngine:
 
     def _k_balance(self, rotation: str) -> list[KBalanceLayer] | None:
         """The model's calibrated K balance when the pool wants it: computed on first use
-        (one forward pass over engine.kv_calibration's text) and kept across reconfigures."""
+        (one forward pass over engine.kv_cache.calibration's text) and kept across reconfigures."""
         if rotation != "calibrated":
             return None
         if self._k_balance_layers is None:
@@ -368,14 +368,14 @@ class LLMEngine:
             sched.step_cost.observe(shape, seconds)
 
     def _arm_interrupt(self, batch: list[ScheduledSeq]) -> None:
-        """Let a request of higher priority abandon this step (engine.step_interrupt): only an
+        """Let a request of higher priority abandon this step (engine.model.step_interrupt): only an
         unprotected step under the priority policy, whose work is all less urgent."""
         if batch and self._interrupts and self.scheduler.policy == "priority" \
                 and not self.scheduler.step_is_protected:
             self.interrupt.arm(min(item.seq.params.priority for item in batch))
 
     def _draft(self, batch: list[ScheduledSeq]) -> bool:
-        """Speculative drafts for the step's decodes (engine.spec_decode); True if any."""
+        """Speculative drafts for the step's decodes (engine.spec_decode.decoder); True if any."""
         anchors = self.pool.anchor_table
         return self.spec.draft(batch, self.block_manager, self.config.max_num_batched_tokens,
                                self.max_model_len, anchors.num_tokens if anchors else 0)

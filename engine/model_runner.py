@@ -7,10 +7,10 @@ from typing import overload
 
 import torch
 
-from kvscope.engine.kv_cache import KVPool
-from kvscope.engine.model import PagedLlama
-from kvscope.engine.scheduler import ScheduledSeq
-from kvscope.engine.spec_decode import logit_rows
+from kvscope.engine.kv_cache.pool import KVPool
+from kvscope.engine.model.paged_decoder import PagedLlama
+from kvscope.engine.scheduling.scheduler import ScheduledSeq
+from kvscope.engine.spec_decode.decoder import logit_rows
 from kvscope.kernels import native
 from kvscope.kernels.attention_ref import AttentionMetadata, DecodeGroup, group_decode_rows
 
@@ -24,7 +24,7 @@ class ModelRunner:
 
     def run(self, batch: list[ScheduledSeq], drafted: bool = False) -> torch.Tensor:
         """Logits [S, vocab] for the sequences whose chunk reaches their last known token;
-        `drafted`: and at every drafted position (engine.spec_decode.logit_rows)."""
+        `drafted`: and at every drafted position (engine.spec_decode.decoder.logit_rows)."""
         input_ids, positions, meta, last_rows = self.prepare(batch)
         if drafted:
             last_rows = logit_rows(batch, meta.query_start_loc)
@@ -38,7 +38,7 @@ class ModelRunner:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states of a prepared step; once it has run, the anchor entries it claimed
-        hold their rows (engine.kv_anchors)."""
+        hold their rows (engine.kv_cache.anchors)."""
         hidden = self.model.forward(input_ids, positions, meta, self.pool)
         if self.pool.anchor_table is not None:
             self.pool.anchor_table.commit()
@@ -102,7 +102,8 @@ class ModelRunner:
 
     def plan_anchors(self, batch: list[ScheduledSeq], starts: list[int],
                      meta: AttentionMetadata) -> None:
-        """Each sequence's anchor entry, and the rows that fill new ones (engine.kv_anchors)."""
+        """Each sequence's anchor entry, and the rows that fill new ones
+        (engine.kv_cache.anchors)."""
         table = self.pool.anchor_table
         if table is None:
             return

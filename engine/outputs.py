@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvscope.engine.scheduler import ScheduledSeq
+from kvscope.engine.scheduling.scheduler import ScheduledSeq
 
 
 @dataclass

@@ -10,7 +10,7 @@ import torch
 
 from kvscope.engine.llm_engine import LLMEngine
 from kvscope.engine.sampling_params import SamplingParams
-from kvscope.engine.scheduler import ScheduledSeq
+from kvscope.engine.scheduling.scheduler import ScheduledSeq
 from kvscope.engine.sequence import Sequence
 
 

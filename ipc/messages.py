@@ -162,7 +162,7 @@ class EngineSettings(msgspec.Struct, kw_only=True):
     enable_prefix_caching: bool
     seed: int
     # Not an EngineConfig field: the engine's one-line notice that the model's decode takes
-    # its slower ordinary path (engine.fused_decode.decode_path_notice); "" when none.
+    # its slower ordinary path (engine.model.fused.decode.decode_path_notice); "" when none.
     decode_path_notice: str = ""
     # Added with issue 26 (defaults: an older engine sends neither).
     scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (lower Sampling.priority sooner)
@@ -462,7 +462,7 @@ class StatsFrame(msgspec.Struct, kw_only=True):
     # away that had to be computed again (issue 26; empty / 0 from an older engine).
     preemptions_by_reason: dict[str, int] = {}
     recomputed_tokens: int = 0
-    # Steps of less urgent work a more urgent arrival cut short (engine.step_interrupt; 0
+    # Steps of less urgent work a more urgent arrival cut short (engine.model.step_interrupt; 0
     # from an older engine).
     interrupted_steps: int = 0
 

@@ -1,4 +1,4 @@
-"""Anchor rows (engine/kv_anchors.py) as the kernels see them: per layer (k, v) float32 of
+"""Anchor rows (engine/kv_cache/anchors.py) as the kernels see them: per layer (k, v) float32 of
 [entries, n, kv_heads, head_dim], the exact K/V of the first n positions of each opening, in
 the pool's own space (rotated, and balanced for K). A sequence with an anchor entry attends
 to those rows at positions 0..n-1 instead of the quantized ones; the quantized rows stay in

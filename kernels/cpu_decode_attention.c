@@ -752,7 +752,7 @@ void kvscope_decode_team(const decode_call *c, const decode_plan *p, int *status
  * already awake from the matmul before, and torch.set_num_threads governs them; a second
  * thread pool would fight torch's spinning one for the cores.
  * The call's arguments are a decode_call (cpu_team.h): kvscope_paged_decode shares one out
- * over a parallel region of its own; engine/fused_decode.py's whole-step call
+ * over a parallel region of its own; engine/model/fused/decode.py's whole-step call
  * (kernels/cpu_decode_step.c) runs the same plan and team inside one region for every layer.
  * parallel: 1 shares the call over torch's threads, 0 runs it on the calling thread, < 0
  * leaves it to PARALLEL_MIN_ROWS (kernels/cpu_attention.py measures which, per machine).

@@ -1,6 +1,6 @@
 /* The elementwise work between the matmuls of a CPU decode step, fused: what torch runs as
  * five to fifteen small ops per step of a layer (each a dispatch, an allocation and a pass
- * over memory) is one call here. Used by engine/fused_decode.py for a float32 residual
+ * over memory) is one call here. Used by engine/model/fused/decode.py for a float32 residual
  * stream; the matmuls' inputs and outputs ("io" rows) are bfloat16 (io = 1: 4-bit weights,
  * whose kernel takes and gives bfloat16) or float32 (io = 0: dense float32 weights).
  * Built with kernels/cpu_decode_attention.c into one library (kernels/native.py).
@@ -36,7 +36,7 @@ static inline void io_write(void *dst, const float *src, int64_t n, int io) {
 }
 
 /* The widest row these take (hidden size, intermediate size, and the q|k|v row); the caller,
- * engine/fused_decode.py, keeps to it (its ROW_MAX). */
+ * engine/model/fused/decode.py, keeps to it (its ROW_MAX). */
 #define ROW_MAX 16384
 
 /* out = w * (h * rsqrt(mean(h^2) + eps)) per row, Hugging Face's RMSNorm order. If y is not
@@ -288,7 +288,7 @@ void kvscope_norm_rope_write(const void *qkv, int64_t rows, const int64_t *posit
                     q_out, slots, heads, kv_heads, d, &t, io);
 }
 
-/* kvscope_norm_rope_write into any pool the fused decode takes (engine/fused_decode.py):
+/* kvscope_norm_rope_write into any pool the fused decode takes (engine/model/fused/decode.py):
  * kind 0 float32, 1 bfloat16, 3 int8, 4 fp8 e4m3 (k_scale, v_scale: the pool's [slots,
  * kv_heads] float32 scales, NULL for the float kinds); R [d, d]: the pool's rotation (NULL:
  * none); shift, gain, q_gain [kv_heads, d]: its K balance (all NULL: none). K is stored as

@@ -1,4 +1,4 @@
-/* A whole fused decode step (engine/fused_decode.py) in one OpenMP region.
+/* A whole fused decode step (engine/model/fused/decode.py) in one OpenMP region.
  *
  * Called kernel by kernel from Python, a layer opens five parallel regions (four matmuls and
  * the attention) with serial glue and Python between them; libgomp's threads, told to spin
@@ -8,11 +8,11 @@
  * team parts (cpu_team.h) run inside one region for every layer: the glue runs on one thread
  * (`omp single`) while the others wait at its barrier, a wait of microseconds that stays
  * inside the spin. The arithmetic is the kernels' own, in the same order: the result equals
- * the kernel-by-kernel step bit for bit (tests/engine/test_fused_one_region.py).
+ * the kernel-by-kernel step bit for bit (tests/engine/model/fused/test_fused_one_region.py).
  *
  * Every phase is shared by the team: inside one region a split costs a barrier, not a
  * wake-up, so the per-call choice of a serial matmul (kernels/kernel_choice.py) does not
- * apply; engine/fused_decode.py takes this path only where no matmul chose torch's kernel.
+ * apply; engine/model/fused/decode.py takes this path only where no matmul chose torch's kernel.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -36,7 +36,7 @@ typedef struct {
  * anchors: NULL where the pool has none), attention options, and the norms after the
  * attention and the MLP: gemma's sandwich norms (NULL where the family has none), the
  * post-attention norm and the next layer's input norm (NULL after the last layer). The layout
- * is mirrored by engine/fused_one_region.py. */
+ * is mirrored by engine/model/fused/one_region.py. */
 typedef struct {
     step_matmul qkv, o_proj, gate_up, down;
     const float *cos, *sin;
@@ -58,7 +58,7 @@ typedef struct {
  * slots, and the decode attention's rows (att_rows, tables, lens, anchor_idx, as
  * kernels/cpu_attention.py's decode_rows). R: the pool's rotation, R_t its transpose (NULL:
  * none); first_norm: the first layer's input norm. stop: a flag another thread may set while
- * the step runs (engine/step_interrupt.py; NULL: never), read before each layer. */
+ * the step runs (engine/model/step_interrupt.py; NULL: never), read before each layer. */
 typedef struct {
     int64_t layers, rows, hidden, inter, heads, kv_heads, head_dim, block_size, kind, io, gelu;
     int64_t table_stride, seqs;

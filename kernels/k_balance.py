@@ -8,7 +8,7 @@ per-token scale cannot see:
 * a few channels carry most of the query's energy, and an error in those channels moves the
   scores most, while the rotation spreads the error evenly over every channel.
 
-Both are fixed by exact transforms, calibrated once per model (engine/kv_calibration.py):
+Both are fixed by exact transforms, calibrated once per model (engine/kv_cache/calibration.py):
 * shift: k - c, with c a constant vector per (layer, KV head). Every score of a query moves
   by the same q.c, so softmax, and the output, are unchanged;
 * balance: k * g and q / g with a positive vector g per (layer, KV head, channel); the

@@ -60,7 +60,7 @@ SIGNATURES = {
     "kvscope_rope_write_kv": [P, I64, P, P, P, I64, P, P, F32, P, P, P, P, P, P, I64, I64, I64,
                               INT, INT, P, P, P, P],
     "kvscope_rotate_rows": [P, I64, I64, P, P, INT],
-    "kvscope_decode_step": [P, P],  # (step_plan, step_layer[]): engine/fused_one_region.py
+    "kvscope_decode_step": [P, P],  # (step_plan, step_layer[]): engine/model/fused/one_region.py
     "kvscope_amx_ready": [],
     "kvscope_amx_fits": [I64, I64],  # (N, K): the bfloat16 tiles apply
     "kvscope_dpbf16_fits": [I64],  # (K): the AVX-512 BF16 dot products apply

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 # Families whose sliding_window applies to every layer, whatever layer_types says (as their
-# Hugging Face attention reads it; engine.model_family agrees).
+# Hugging Face attention reads it; engine.model.family agrees).
 _UNIFORM = ("mistral", "mixtral", "phi3", "starcoder2")
 # Gemma 2 alternates sliding and global layers, sliding first; Gemma 3 slides five of six.
 _DEFAULT_PATTERN = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}

@@ -15,7 +15,7 @@ Parts (each a dict in the result; a part that raises reports its error and the r
   time (torch.profiler) and the GPU-idle rest (host overhead), with kernel launches per step;
 - families: each model family's tiny random checkpoint (kvscope.testing.tiny_models: sliding
   windows, soft-caps, q/k norms, longrope) in float32, token for token against HF's eager
-  attention, block sizes 1 and 16 (as tests/engine/test_families.py does on the CPU).
+  attention, block sizes 1 and 16 (as tests/engine/model/test_families.py does on the CPU).
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ class Context:
     def loaded(self, dtype: str):
         import torch
 
-        from kvscope.engine.loader import load_model
+        from kvscope.engine.loading.loader import load_model
 
         if dtype not in self._loaded:
             self._loaded[dtype] = load_model(self.model, getattr(torch, dtype))

@@ -250,7 +250,7 @@ def correctness(device, small: bool, seed: int, log=None, rows: list | None = No
 
 
 def verify_cases(device, small: bool, seed: int) -> list[dict]:
-    """Speculative decoding's verify rows (engine/spec_verify.py): sequences with 2 to 1 + K
+    """Speculative decoding's verify rows (engine/spec_decode/verify.py): sequences with 2 to 1 + K
     queries (K up to 8) over a long context, beside plain decode rows, per KV dtype and
     block size 1/16, with KV splits forced on half of them."""
     rows = []

@@ -149,7 +149,7 @@ class EngineServer:
 
     def enqueue(self, who, cmd) -> None:
         """Queue a client's command for the engine thread (any thread). A request of higher
-        priority than the step now running may cut that step short (engine.step_interrupt)."""
+        priority than the step now running may cut that step short (engine.model.step_interrupt)."""
         self.commands.put((who, cmd))
         # Queued first: a step armed after this offer was read takes the request in before
         # it schedules, so a late offer can never cut short the step that carries it.

@@ -3,7 +3,7 @@
 Two halves, one per thread:
 
 * `CacheEventFeed` (engine thread): after each step it takes what the block manager recorded
-  (engine/cache_events.py), turns it into one vLLM `KVEventBatch` (chains of stored blocks
+  (engine/kv_cache/events.py), turns it into one vLLM `KVEventBatch` (chains of stored blocks
   become one BlockStored each, as vLLM sends them) and appends it to a bounded deque: no
   socket, no syscall, so the engine thread never gives up the GIL here (a zmq send does, and
   on a busy machine getting it back cost a millisecond a batch). A full deque drops the batch
@@ -25,7 +25,7 @@ from itertools import count
 
 import zmq
 
-from kvscope.engine.cache_events import BlockCached, BlockUncached
+from kvscope.engine.kv_cache.events import BlockCached, BlockUncached
 from kvscope.ipc import messages as m
 from kvscope.ipc import vllm_kv_events as v
 from kvscope.ipc.curve import ServerAuth, secure_server_socket

@@ -15,7 +15,7 @@ from collections import deque
 import msgspec
 import numpy as np
 
-from kvscope.engine.scheduler import ScheduledSeq
+from kvscope.engine.scheduling.scheduler import ScheduledSeq
 from kvscope.ipc import messages as m
 
 STEP_HISTORY = 512  # steps kept between two step frames; older ones are counted as dropped
@@ -27,7 +27,7 @@ RATE_WINDOW_S = 5.0
 def engine_settings(engine) -> m.EngineSettings:
     """The config in force as the wire carries it, with the model's decode-path notice."""
     # Here, not at the top: this module stays torch-free to import (the engine has torch).
-    from kvscope.engine.fused_model import decode_path_notice
+    from kvscope.engine.model.fused.model_view import decode_path_notice
 
     return msgspec.structs.replace(engine.config.settings(), decode_path_notice=(
         decode_path_notice(getattr(engine, "model", None))))
@@ -135,7 +135,7 @@ def blocks_frame(engine, seq: int, sources: dict[str, str] | None = None,
 
 
 def _rolled_back(engine) -> list[int]:
-    """Blocks with draft slots rolled back since the last frame (engine.spec_decode)."""
+    """Blocks with draft slots rolled back since the last frame (engine.spec_decode.decoder)."""
     spec = getattr(engine, "spec", None)
     return spec.take_rolled_back() if spec is not None else []
 

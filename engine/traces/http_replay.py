@@ -32,7 +32,7 @@ from kvscope.engine.traces.openai_stream import (
     read_chunk,
     request_body,
 )
-from kvscope.engine.traces.outputs import OutputCheck
+from kvscope.engine.traces.reproduced_outputs import OutputCheck
 from kvscope.engine.traces.requests import RequestRecord, run_of_trace
 from kvscope.engine.traces.server_probe import api_base, choose_model, probe
 from kvscope.engine.traces.sse import SseError, SseParser

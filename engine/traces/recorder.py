@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from kvscope.engine import __version__
-from kvscope.engine.block_manager import FREED
+from kvscope.engine.kv_cache.block_manager import FREED
 from kvscope.engine.llm_engine import LLMEngine, kv_dtype_name
 from kvscope.engine.outputs import StepResult, TokenDelta
 from kvscope.engine.sequence import Sequence

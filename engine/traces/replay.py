@@ -12,8 +12,8 @@ import msgspec
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.llm_engine import LLMEngine
 from kvscope.engine.sampling_params import SamplingParams
-from kvscope.engine.traces.outputs import OutputCheck, check_outputs
 from kvscope.engine.traces.recorder import start_trace
+from kvscope.engine.traces.reproduced_outputs import OutputCheck, check_outputs
 from kvscope.engine.traces.summary import TraceSummary, summarize
 from kvscope.engine.traces.workload import (
     WorkItem,

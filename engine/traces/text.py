@@ -19,7 +19,7 @@ def load_text_tokenizer(model: str) -> TextTokenizer:
     """The tokenizer of a kvscope model spec ("default", a folder, a .gguf); local files
     only. ValueError/OSError when there is none."""
     from kvscope.engine.detokenizer import Decoder
-    from kvscope.engine.model_files import load_tokenizer, resolve_checkpoint
+    from kvscope.engine.loading.checkpoint_files import load_tokenizer, resolve_checkpoint
 
     tokenizer = load_tokenizer(resolve_checkpoint(model))
     return TextTokenizer(name=model, vocab_size=len(tokenizer), decode=Decoder(tokenizer))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 
-from kvscope.engine.traces.outputs import outputs_of
+from kvscope.engine.traces.reproduced_outputs import outputs_of
 from kvscope.ipc.trace_format import Arrival, Trace, TraceError, read_trace
 
 

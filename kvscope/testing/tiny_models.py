@@ -35,7 +35,7 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
                                            "rope_theta": 1000000.0}}},
     # Half the head turns; longrope's short factors and its attention factor (from
     # max_position_embeddings / original_max_position_embeddings = 2). The engine runs it
-    # up to original_max_position_embeddings (PHI3_MAX_LEN, engine.model_support).
+    # up to original_max_position_embeddings (PHI3_MAX_LEN, engine.model.support).
     "phi3": {"original_max_position_embeddings": 256, "max_position_embeddings": 512,
              "pad_token_id": 0,
              "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,

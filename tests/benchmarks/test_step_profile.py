@@ -23,18 +23,19 @@ def test_shares_of_a_decode_step(tiny, capsys, dtype):
     r = json.loads(capsys.readouterr().out)
     assert r["dtype"] == dtype and r["seqs"] == 3
     # The wrapped parts ran in every step and fit inside it. float32 and bfloat16 decode steps
-    # are fused (engine.fused_decode): their K/V write happens inside the RoPE call, counted
+    # are fused (engine.model.fused.decode): their K/V write happens inside the RoPE call, counted
     # as other; float16 takes the torch forward.
     assert r["attention_ms"] > 0 and r["matmul_ms"] > 0
     assert (r["kv_write_ms"] > 0) == (dtype == "float16")
     assert r["attention_ms"] + r["kv_write_ms"] + r["matmul_ms"] < r["step_ms"]
     assert r["attention_share"] == pytest.approx(r["attention_ms"] / r["step_ms"])
-    # The wrappers on engine.model's kernels do not outlive the run.
-    from kvscope.engine import fused_decode, model
+    # The wrappers on engine.model.paged_decoder's kernels do not outlive the run.
+    from kvscope.engine.model import paged_decoder as model
+    from kvscope.engine.model.fused import decode as fused_decode
     from kvscope.kernels import cpu_linear, ops
 
     assert model.paged_attention is ops.paged_attention
     assert model.write_kv is ops.write_kv
-    assert fused_decode.dense.__module__ == "kvscope.engine.fused_decode"
-    assert fused_decode.attention.__module__ == "kvscope.engine.fused_decode"
+    assert fused_decode.dense.__module__ == "kvscope.engine.model.fused.decode"
+    assert fused_decode.attention.__module__ == "kvscope.engine.model.fused.decode"
     assert cpu_linear.linear.__module__ == "kvscope.kernels.cpu_linear"

@@ -120,10 +120,10 @@ def test_sequence_blocks_match_what_the_window_spans():
 
 
 def test_the_calculator_reads_windows_as_the_engine_does():
-    """kvmath (torch-free, for kv-calc and the window) against engine.model_family."""
+    """kvmath (torch-free, for kv-calc and the window) against engine.model.family."""
     from transformers import AutoConfig
 
-    from kvscope.engine.model_family import layer_windows as engine_windows
+    from kvscope.engine.model.family import layer_windows as engine_windows
     from kvscope.testing.tiny_models import ARCHS, FAMILY_OVERRIDES
 
     for arch in ARCHS:  # tiny_models' shapes (phi3's longrope factors fit these heads)

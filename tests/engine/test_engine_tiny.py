@@ -173,7 +173,7 @@ def test_the_engine_has_every_attribute_from_init_on(tiny, request):
     assert engine._k_balance_layers is None  # not calibrated until a pool wants it
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))
     # Calibrated on the tiny Llama only: the tiny Qwen2's tokenizer turns the calibration
-    # text into no tokens at all (and engine.kv_calibration then fails inside torch).
+    # text into no tokens at all (and engine.kv_cache.calibration then fails inside torch).
     rotation = "calibrated" if request.node.callspec.params["tiny"] == "llama" else "hadamard"
     engine.reconfigure(block_size=8, kv_dtype="int8", kv_rotation=rotation)
     assert (engine._k_balance_layers is not None) == (rotation == "calibrated")

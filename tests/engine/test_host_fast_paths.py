@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from kvscope.engine import LLM, EngineConfig, SamplingParams
-from kvscope.engine.block_manager import BlockManager
 from kvscope.engine.detokenizer import Decoder, decode_delta
+from kvscope.engine.kv_cache.block_manager import BlockManager
 from kvscope.engine.sampler import greedy_tokens, make_generator, sample, sample_row
-from kvscope.engine.scheduler import ScheduledSeq, Scheduler
+from kvscope.engine.scheduling.scheduler import ScheduledSeq, Scheduler
 from kvscope.engine.sequence import Sequence
 from kvscope.testing.tiny_models import save_tiny_model
 

@@ -41,7 +41,7 @@ def test_engine_urgent_request_overtakes_a_saturated_batch(tiny):
     import torch
 
     from kvscope.engine.llm_engine import LLMEngine
-    from kvscope.engine.loader import load_model
+    from kvscope.engine.loading.loader import load_model
 
     loaded = load_model(tiny, torch.float32)
     cfg = EngineConfig(model=tiny, block_size=8, num_kv_blocks=64, max_num_seqs=2)

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import zmq
 
-from kvscope.engine.block_manager import BlockManager
 from kvscope.engine.config import EngineConfig
+from kvscope.engine.kv_cache.block_manager import BlockManager
 from kvscope.engine.sampling_params import SamplingParams
-from kvscope.engine.scheduler import Scheduler
+from kvscope.engine.scheduling.scheduler import Scheduler
 from kvscope.engine.sequence import Sequence
 from kvscope.engine.server.snapshots import blocks_frame
 from kvscope.ipc import EngineClient, codec, endpoints

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvscope.engine.weight_formats import dequantize_int4, int4_mm, quantize_int4
+from kvscope.engine.model.weight_formats import dequantize_int4, int4_mm, quantize_int4
 from kvscope.kernels import cpu_int4, native
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler here")

@@ -4,7 +4,7 @@ choice of one kernel family per process (kernels/cpu_int4.family)."""
 import pytest
 import torch
 
-from kvscope.engine.weight_formats import (
+from kvscope.engine.model.weight_formats import (
     Int4Linear,
     Int8Linear,
     dequantize_int4,

@@ -65,7 +65,7 @@ def test_weights_the_kernel_cannot_take_stay_with_torch():
 
 
 def test_a_dense_model_linear_uses_it_unless_the_torch_kernels_are_forced(monkeypatch):
-    from kvscope.engine.weight_formats import DenseLinear
+    from kvscope.engine.model.weight_formats import DenseLinear
 
     w = torch.randn(8, 32)
     assert DenseLinear(w).native

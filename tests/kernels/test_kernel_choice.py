@@ -262,7 +262,7 @@ def fake_times(monkeypatch, chooser, **ms):
 ])
 def test_the_engines_linear_runs_the_chosen_implementation(cache_file, monkeypatch, winner,
                                                            times, dtype):
-    from kvscope.engine.weight_formats import DenseLinear
+    from kvscope.engine.model.weight_formats import DenseLinear
 
     chooser = Chooser(cache_file, KEY, FakeClock())
     fake_times(monkeypatch, chooser, **times)

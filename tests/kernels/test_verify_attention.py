@@ -1,7 +1,7 @@
 """Speculative verification's shape on every attention path: a decoding sequence with K + 1
 query tokens over a long cached context, beside ordinary one-token decode rows.
 
-The verify row is a small prefill chunk to the kernels (engine.spec_decode), so the torch
+The verify row is a small prefill chunk to the kernels (engine.spec_decode.decoder), so the torch
 reference, the native CPU path (decode rows in C, chunks in the reference) and the Triton
 kernel (TRITON_INTERPRET=1 under tests/conftest.py) must each give every drafted position the
 causal attention over its own prefix. The oracle: float64 dense softmax attention over the

@@ -9,8 +9,8 @@ import msgspec
 import pytest
 import zmq
 
-from kvscope.engine.block_manager import BlockManager
-from kvscope.engine.cache_events import BlockCached, BlockUncached
+from kvscope.engine.kv_cache.block_manager import BlockManager
+from kvscope.engine.kv_cache.events import BlockCached, BlockUncached
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.sequence import Sequence
 from kvscope.engine.server import kv_events

@@ -9,7 +9,7 @@ import pytest
 from kvscope.engine.traces.compare import compare, ratios
 from kvscope.engine.traces.export_csv import CSV_FIELDS, write_csv
 from kvscope.engine.traces.export_perfetto import to_chrome, write_chrome
-from kvscope.engine.traces.outputs import check_outputs, outputs_of
+from kvscope.engine.traces.reproduced_outputs import check_outputs, outputs_of
 from kvscope.engine.traces.summary import percentile, summarize
 from kvscope.ipc.trace_format import Finish, Reconfigure, Step, Token, Trace
 from tests.traces import synthetic

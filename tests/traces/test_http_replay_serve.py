@@ -11,8 +11,8 @@ from kvscope.engine import EngineConfig, SamplingParams
 from kvscope.engine.cli import trace as trace_cli
 from kvscope.engine.llm_engine import LLMEngine
 from kvscope.engine.traces.http_replay import HttpReplayConfig, replay_url_file
-from kvscope.engine.traces.outputs import outputs_of
 from kvscope.engine.traces.recorder import start_trace
+from kvscope.engine.traces.reproduced_outputs import outputs_of
 from kvscope.ipc.trace_format import Response, read_trace
 from kvscope.testing.tiny_models import save_tiny_model
 from tests.support.server_harness import Server

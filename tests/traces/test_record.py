@@ -8,8 +8,8 @@ import torch
 
 from kvscope.engine import EngineConfig, SamplingParams
 from kvscope.engine.llm_engine import LLMEngine
-from kvscope.engine.traces.outputs import outputs_of
 from kvscope.engine.traces.recorder import start_trace
+from kvscope.engine.traces.reproduced_outputs import outputs_of
 from kvscope.engine.traces.workload import request_lengths
 from kvscope.ipc.trace_format import (
     Abort,

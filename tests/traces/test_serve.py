@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvscope.engine.traces.outputs import outputs_of
+from kvscope.engine.traces.reproduced_outputs import outputs_of
 from kvscope.ipc import EngineClient, EngineError
 from kvscope.ipc.trace_format import Arrival, Finish, read_trace
 from tests.support.server_harness import Server, save_chat_model

@@ -1,0 +1,1 @@
+"""Speculative decoding from the context: n-gram drafts, verification, and when drafts pay."""
