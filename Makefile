@@ -33,7 +33,8 @@ test: setup lint-imports typecheck
 # grimp and mypy read a package from its own folder, and ours is spread over the root's folders
 # (pyproject's package-dir); so the import contracts and the type check run on a copy laid out
 # as the wheel installs it.
-LINT_TREE := build/lint-tree
+LINT_TREE ?= build/lint-tree
+MYPY_CACHE ?= build/mypy-cache
 SUBPACKAGES := engine kernels ipc app kvmath benchmarks
 stage:
 	rm -rf $(LINT_TREE) && mkdir -p $(LINT_TREE)
@@ -47,7 +48,7 @@ lint-imports: setup stage
 # back from the copy (kvscope/engine/model/paged_decoder.py) to the files to open (engine/model/paged_decoder.py).
 typecheck: setup stage
 	set -o pipefail; cd $(LINT_TREE) && $(CURDIR)/$(VENV)/bin/mypy \
-		--config-file $(CURDIR)/pyproject.toml --cache-dir $(CURDIR)/build/mypy-cache \
+		--config-file $(CURDIR)/pyproject.toml --cache-dir $(CURDIR)/$(MYPY_CACHE) \
 		| sed -E 's#^kvscope/($(subst $() ,|,$(SUBPACKAGES)))/#\1/#'
 
 bench: setup
