@@ -1,4 +1,5 @@
-"""Picks the next token of each sequence: greedy, or temperature with top-k / top-p."""
+"""Picks the next token of each sequence: greedy, or temperature with top-k / top-p, after the
+request's repetition and presence penalties."""
 from __future__ import annotations
 
 import torch
@@ -10,9 +11,30 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """logits: [S, vocab] float32, one row per sequence in seqs."""
     tokens = greedy_tokens(logits)
     for i, seq in enumerate(seqs):
-        if not seq.params.greedy:
+        p = seq.params
+        if p.penalized:
+            row = apply_penalties(logits[i], seq.token_ids, seq.output_token_ids,
+                                  p.repetition_penalty, p.presence_penalty)
+            tokens[i] = int(row.argmax()) if p.greedy else sample_row(row, seq)
+        elif not p.greedy:
             tokens[i] = sample_row(logits[i], seq)
     return tokens
+
+
+def apply_penalties(row: torch.Tensor, token_ids: list[int], output_ids: list[int],
+                    repetition: float, presence: float) -> torch.Tensor:
+    """A penalised copy of one row [vocab]. repetition as Hugging Face's
+    RepetitionPenaltyLogitsProcessor (over prompt and output: positive logits divided, negative
+    multiplied); presence as OpenAI's (minus presence once per distinct output token)."""
+    row = row.clone()
+    if repetition != 1.0 and token_ids:
+        ids = torch.tensor(sorted(set(token_ids)), dtype=torch.long)
+        seen = row[ids]
+        row[ids] = torch.where(seen < 0, seen * repetition, seen / repetition)
+    if presence != 0.0 and output_ids:
+        ids = torch.tensor(sorted(set(output_ids)), dtype=torch.long)
+        row[ids] -= presence
+    return row
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:

@@ -27,6 +27,11 @@ class SamplingParams:
     priority: int = 0
     # False: this request never takes drafted tokens (EngineConfig.speculative_method).
     speculative: bool = True
+    # Hugging Face's / CTRL's: logits of every token already in the sequence (prompt and
+    # output) divided by it when positive, multiplied when negative. 1 = off.
+    repetition_penalty: float = 1.0
+    # OpenAI's: subtracted once from the logit of every token the reply already holds. 0 = off.
+    presence_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,10 +60,19 @@ class SamplingParams:
                   f"an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}] (lower = sooner)")
         if not isinstance(self.speculative, bool):
             _fail("speculative", self.speculative, "True or False")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            _fail("repetition_penalty", self.repetition_penalty, "a number > 0 (1 = off)")
+        if not _is_number(self.presence_penalty) or not -2 <= self.presence_penalty <= 2:
+            _fail("presence_penalty", self.presence_penalty, "a number in [-2, 2] (0 = off)")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """A penalty changes this request's logits (they depend on its own tokens)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
 
 
 def _is_int(x: object) -> bool:

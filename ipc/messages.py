@@ -51,6 +51,8 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_de
     ignore_eos: bool = False
     priority: int = 0  # lower = sooner (vLLM's convention)
     speculative: bool = True  # False: never speculate for this request (issue 31)
+    repetition_penalty: float = 1.0  # Hugging Face's; 1 = off (issue 53)
+    presence_penalty: float = 0.0  # OpenAI's; 0 = off
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):

@@ -64,6 +64,7 @@ class _Common(msgspec.Struct, kw_only=True):
     # vLLM's: lower is served sooner under --scheduling-policy priority (ignored under fcfs).
     # Typed int, so JSON true, 1.5 or "1" fail decoding as `$.priority` like any bad field.
     priority: int | None = None
+    repetition_penalty: float | None = None  # vLLM's extra, as Hugging Face's (1 = off)
 
 
 class ChatRequest(_Common, kw_only=True):
@@ -101,9 +102,9 @@ def _bad(param: str, message: str) -> ApiError:
 def check_unsupported(req: _Common) -> None:
     if req.n not in (None, 1):
         raise _bad("n", f"n={req.n} is not supported: kvscope returns one choice (n=1)")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0, 0.0):
-            raise _bad(name, f"{name} is not supported by kvscope's sampler (use 0)")
+    if req.frequency_penalty not in (None, 0, 0.0):
+        raise _bad("frequency_penalty",
+                   "frequency_penalty is not supported by kvscope's sampler (use 0)")
     if isinstance(req, ChatRequest):
         if req.logprobs or req.top_logprobs:
             raise _bad("logprobs", "logprobs are not supported by kvscope")
@@ -148,9 +149,17 @@ def sampling_of(req: _Common, default_max_tokens: int) -> m.Sampling:
     if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
         raise _bad("priority", f"priority must be an integer in [{PRIORITY_MIN}, "
                                f"{PRIORITY_MAX}] (lower = sooner), got {priority}")
+    presence = req.presence_penalty or 0.0
+    if not -2 <= presence <= 2:
+        raise _bad("presence_penalty", f"presence_penalty must be in [-2, 2], got {presence}")
+    repetition = 1.0 if req.repetition_penalty is None else req.repetition_penalty
+    if not repetition > 0:
+        raise _bad("repetition_penalty",
+                   f"repetition_penalty must be > 0 (1 = off), got {repetition}")
     return m.Sampling(max_tokens=max_tokens or default_max_tokens, temperature=temperature,
                       top_p=top_p, top_k=max(top_k, 0), seed=req.seed, stop=stop,
-                      stop_token_ids=stop_ids, ignore_eos=req.ignore_eos, priority=priority)
+                      stop_token_ids=stop_ids, ignore_eos=req.ignore_eos, priority=priority,
+                      presence_penalty=presence, repetition_penalty=repetition)
 
 
 def chat_messages(req: ChatRequest) -> list[m.ChatMessage]:

@@ -128,7 +128,9 @@ class SpecDecoder:
             if budget <= 0:
                 break
             seq = item.seq
-            if not seq.params.speculative:  # every item is a decode (self._pure)
+            # A penalty depends on the tokens before each drafted position, which verify's
+            # rows do not apply: penalised requests decode one token at a time.
+            if not seq.params.speculative or seq.params.penalized:  # all decodes (_pure)
                 continue
             n = len(seq.token_ids)
             k = min(self.k, budget, seq.params.max_tokens - seq.num_output_tokens - 1,
