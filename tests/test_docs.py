@@ -21,6 +21,11 @@ def markdown_files() -> list[Path]:
     return [README, *sorted((ROOT / "docs").glob("*.md"))]
 
 
+def note_files() -> list[Path]:
+    """docs/notes/: dated measurement notes, linked from their index, not from the README."""
+    return sorted((ROOT / "docs" / "notes").glob("*.md"))
+
+
 def prose_lines(text: str) -> list[str]:
     """The lines outside fenced code blocks: a link written inside one is not rendered."""
     lines, in_fence = [], False
@@ -68,7 +73,8 @@ def test_the_readme_is_at_most_200_lines():
     assert len(README.read_text().splitlines()) <= MAX_README_LINES
 
 
-@pytest.mark.parametrize("path", markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("path", markdown_files() + note_files(),
+                         ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_relative_link_points_to_something_that_exists(path: Path):
     assert broken_links(path) == []
 
@@ -77,6 +83,24 @@ def test_every_docs_page_is_linked_from_the_readme():
     linked = {(ROOT / t.partition("#")[0]).resolve() for t in link_targets(README.read_text())}
     orphans = [p.name for p in markdown_files()[1:] if p.resolve() not in linked]
     assert orphans == []
+
+
+def test_every_note_is_linked_from_the_notes_index_and_the_index_from_the_readme():
+    index = ROOT / "docs" / "notes" / "README.md"
+    readme_links = {(ROOT / t.partition("#")[0]).resolve()
+                    for t in link_targets(README.read_text())}
+    assert index.resolve() in readme_links
+    linked = {(index.parent / t.partition("#")[0]).resolve()
+              for t in link_targets(index.read_text())}
+    assert [p.name for p in note_files() if p != index and p.resolve() not in linked] == []
+
+
+def test_design_docs_hold_no_dated_headings():
+    """Dated lab notes live in docs/notes/; the design docs say how things work now."""
+    dated = re.compile(r"^#{1,6} .*\b20\d\d-\d\d-\d\d\b")
+    found = [f"{p.name}: {line}" for p in markdown_files()[1:]
+             for line in prose_lines(p.read_text()) if dated.match(line)]
+    assert found == []
 
 
 def test_the_link_check_catches_a_missing_file_and_a_missing_heading(tmp_path: Path):
