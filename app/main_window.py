@@ -23,6 +23,7 @@ from kvscope.app.plots.batch_plots import BatchPlots
 from kvscope.app.sources.kvscope_source import KvscopeSource
 from kvscope.app.status_bar import EngineStatusBar
 from kvscope.app.traces.panel import TracePanel, engine_args_from
+from kvscope.app.wheel_guard import guard_wheel
 from kvscope.ipc.messages import EngineSettings, HelloResult
 
 WIDE = 1800  # around this width the chat and the side panel each get a column of their own
@@ -120,6 +121,7 @@ class MainWindow(QMainWindow):
 
         self.arrangement: str | None = None  # "three" or "two" columns, see arrangement_for
         self._lay_out()
+        self.wheel_guard = guard_wheel(self.side_tabs)  # the wheel scrolls the side panels
         self._menus()
         self.resize(*default_size(self.screen()))
         self.center_on_screen()
