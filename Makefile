@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The versions setup installs, the set the last full test run passed with (see its header).
 CONSTRAINTS := .ci/constraints.txt
 
-.PHONY: setup run test bench lint lint-imports typecheck stage clean constraints
+.PHONY: setup run test check durations bench lint lint-imports typecheck stage clean constraints
 
 setup: $(STAMP)
 
@@ -24,11 +24,25 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 run: setup
 	$(VENV)/bin/kvscope
 
+# The whole suite, what .ci/run calls: two pytest workers (pytest-xdist) on this 2-core machine,
+# each test file on one worker (its module fixtures built once).
+PYTEST_WORKERS ?= 2
+XDIST := -n $(PYTEST_WORKERS) --dist loadfile
 test: setup lint-imports typecheck
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q --ignore=tests/app/xvfb
+	$(PY) -m pytest -q $(XDIST) --ignore=tests/app/xvfb
 	# A process's QApplication keeps its platform: the real-X group runs on its own, on xcb.
 	QT_QPA_PLATFORM=xcb $(PY) -m pytest -q -rs tests/app/xvfb
+
+# The edit-test loop: lint, contracts, types and the tests that took under a second each in the
+# last `make durations` (tests/slow_tests.txt; tests/support/durations.py).
+check: setup lint-imports typecheck
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q $(XDIST) --quick --ignore=tests/app/xvfb
+
+# Re-measure which tests are slow (after adding slow tests, or on another machine kind).
+durations: setup
+	$(PY) -m pytest -q $(XDIST) --ignore=tests/app/xvfb --record-durations tests/slow_tests.txt
 
 # grimp and mypy read a package from its own folder, and ours is spread over the root's folders
 # (pyproject's package-dir); so the import contracts and the type check run on a copy laid out

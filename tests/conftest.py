@@ -20,6 +20,9 @@ os.environ.setdefault("KVSCOPE_CACHE_DIR", os.path.join(os.path.dirname(os.path.
 # for the `kernels` distribution transformers imports (kvscope/__init__.py).
 import kvscope  # noqa: E402,F401
 
+# `--quick` (make check) and `--record-durations` (make durations): tests/support/durations.py.
+pytest_plugins = ["tests.support.durations"]
+
 
 @pytest.fixture(scope="session", autouse=True)
 def int4_kernel_family() -> str:
@@ -29,3 +32,4 @@ def int4_kernel_family() -> str:
     from kvscope.kernels import cpu_int4
 
     return cpu_int4.family()
+
