@@ -2,18 +2,28 @@
 
 The block map draws one ImageItem whose pixels are indices into one lookup table (LUT):
 index = (slot * FILL_LEVELS + fill_level) + (DIM_OFFSET if dimmed). A slot is either a
-request colour (picked from the request id, so it never changes between frames) or one of
-the special states below.
+request colour or one of the special states below. Requests take the palette's colours in
+the order they are first seen (every view asks this module, so chat and map agree), so any
+16 consecutive requests have 16 different colours; the palette was chosen for its measured
+difference (CIEDE2000, app.color_difference): tests/app/test_colors.py holds it to that.
 """
 from __future__ import annotations
 
-import colorsys
-import zlib
+from collections import OrderedDict
 
 import numpy as np
 
 FILL_LEVELS = 8  # brightness steps for filled / block_size
-NUM_REQUEST_COLORS = 40
+# Greedy max-min ΔE00 over an HSV grid: pairwise >= 15 at full brightness, and >= 22 from
+# free, cached and the map's background at every fill level; neighbours differ most.
+PALETTE = (
+    (0, 255, 0), (179, 0, 255), (255, 128, 0), (255, 166, 193), (191, 19, 54),
+    (48, 191, 177), (255, 217, 64), (255, 0, 153), (164, 191, 124), (221, 140, 255),
+    (255, 117, 102), (191, 77, 0), (191, 157, 105), (140, 255, 198), (232, 255, 140),
+    (0, 191, 115),
+)
+NUM_REQUEST_COLORS = len(PALETTE)
+REMEMBERED_REQUESTS = 4096  # ids older than this many get a colour anew if seen again
 SLOT_FREE, SLOT_CACHED, SLOT_SHARED, SLOT_UNKNOWN = range(4)
 FIRST_REQUEST_SLOT = 4
 NUM_SLOTS = FIRST_REQUEST_SLOT + NUM_REQUEST_COLORS
@@ -28,13 +38,34 @@ SHARED_RGB = (245, 245, 245)
 UNKNOWN_RGB = (128, 128, 128)
 SPECIAL_RGB = {SLOT_FREE: FREE_RGB, SLOT_CACHED: CACHED_RGB, SLOT_SHARED: SHARED_RGB,
                SLOT_UNKNOWN: UNKNOWN_RGB}
-MIN_BRIGHTNESS = 0.35  # an allocated but empty block is still visibly its owner's colour
+# An allocated but empty block is still visibly its owner's colour, and never near free grey.
+MIN_BRIGHTNESS = 0.5
 DIM_FACTOR = 0.25
 
 
+class ColorBook:
+    """request id -> palette index, round robin in the order ids are first seen."""
+
+    def __init__(self) -> None:
+        self._index: OrderedDict[str, int] = OrderedDict()
+        self._next = 0
+
+    def index(self, request_id: str) -> int:
+        i = self._index.get(request_id)
+        if i is None:
+            i = self._index[request_id] = self._next
+            self._next = (self._next + 1) % NUM_REQUEST_COLORS
+            if len(self._index) > REMEMBERED_REQUESTS:
+                self._index.popitem(last=False)
+        return i
+
+
+_BOOK = ColorBook()  # one for the whole window: the chat and the map show the same colour
+
+
 def request_slot(request_id: str) -> int:
-    """The colour slot of a request: the same id always gets the same colour."""
-    return FIRST_REQUEST_SLOT + zlib.crc32(request_id.encode()) % NUM_REQUEST_COLORS
+    """The colour slot of a request: the same id keeps its colour."""
+    return FIRST_REQUEST_SLOT + _BOOK.index(request_id)
 
 
 def request_rgb(request_id: str) -> tuple[int, int, int]:
@@ -44,11 +75,7 @@ def request_rgb(request_id: str) -> tuple[int, int, int]:
 def _slot_rgb(slot: int) -> tuple[int, int, int]:
     if slot in SPECIAL_RGB:
         return SPECIAL_RGB[slot]
-    i = slot - FIRST_REQUEST_SLOT
-    hue = (i * 0.618033988749895) % 1.0  # golden-ratio steps: neighbours differ a lot
-    sat = 0.55 + 0.35 * ((i * 7) % 3) / 2
-    r, g, b = colorsys.hsv_to_rgb(hue, sat, 1.0)
-    return round(r * 255), round(g * 255), round(b * 255)
+    return PALETTE[slot - FIRST_REQUEST_SLOT]
 
 
 def brightness(level: int) -> float:
