@@ -14,6 +14,7 @@ from kvscope.app.blocks.block_map import BlockMap
 from kvscope.app.bridge import EngineBridge
 from kvscope.app.calculator.panel import KVCalculatorPanel
 from kvscope.app.chat.panel import ChatPanel
+from kvscope.app.chat.store import ChatStore
 from kvscope.app.controls.load_generator import LoadGenerator, LoadGeneratorPanel
 from kvscope.app.controls.panel import KEYS, ControlsPanel
 from kvscope.app.device.panel import DevicePanel
@@ -107,7 +108,7 @@ class MainWindow(QMainWindow):
         self.applied: EngineSettings | None = None  # the last ReconfigureResult's settings
         self.restarted = False
 
-        self.chat = ChatPanel()
+        self.chat = ChatPanel(ChatStore())  # conversations saved in the user data folder
         self.block_map = BlockMap()
         self.plots = BatchPlots()
         self.device_panel = DevicePanel()
@@ -128,6 +129,8 @@ class MainWindow(QMainWindow):
 
         self._wire()
         self._shortcuts()
+        if self.chat.warnings:  # a cut last line, or a conversation file refused
+            self.status.showMessage("chats: " + "; ".join(self.chat.warnings), 15000)
         self.clock = FrameClock(FrameJobs(every_tick=[self._tick_fast],
                                           plots=[self._tick_plots],
                                           labels=[self._tick_labels]), self)
@@ -284,6 +287,7 @@ class MainWindow(QMainWindow):
         self.chat.submitRequested.connect(b.submit)
         self.chat.abortRequested.connect(b.abort)
         self.chat.requestSelected.connect(self.block_map.select_request)
+        self.chat.noticed.connect(lambda text: self.status.showMessage(text, 6000))
         self.load.submitRequested.connect(b.submit)
         self.load.abortRequested.connect(b.abort)
         self.controls.reconfigureRequested.connect(b.reconfigure)
@@ -313,6 +317,8 @@ class MainWindow(QMainWindow):
         self.clock.start()
         self.status.set_mode(self.attach_endpoints[0] if self.attach_endpoints else None,
                              self.attach_keys is not None)
+        # What the user sends before the engine answers is held and goes out once it does.
+        self.chat.set_engine_loading("the engine is starting")
         if self.engine is not None:
             self.status.mark_connecting("starting the engine (loading the model)…")
             self.engine.start()
@@ -350,6 +356,9 @@ class MainWindow(QMainWindow):
             return
         self.closed = True
         app_settings.save(self, self.settings)
+        self.chat.save()  # the shown conversation's prompt and sampling, if changed
+        if self.chat.store is not None:
+            self.chat.store.close()
         self.load.stop(abort=False)
         self.clock.stop()
         self.status.stop_watching()
@@ -371,6 +380,7 @@ class MainWindow(QMainWindow):
             self.controls.show_config(hello.config)
         self.restarted = False
         self.chat.set_engine_alive(True, "")
+        self.chat.set_context_limit(hello.max_model_len)
         self.kv_calculator.set_running_model(hello.config.model)
         self.status.show_hello(hello)
         self.status.start_watching()

@@ -11,6 +11,7 @@ from kvscope.app.spec_text import acceptance_text
 SENDING, QUEUED, PREFILL, DECODING, PREEMPTED = "sending", "queued", "prefill", "decoding", \
     "preempted"
 FINISHED, FAILED = "finished", "failed"
+HELD = "held"  # sent before the engine was ready: the window holds it until it is
 DONE_PHASES = (FINISHED, FAILED)
 
 
@@ -38,6 +39,7 @@ class Turn:
     wait_reason: str = ""  # from the blocks frame: why it waits now ("" not waiting)
     num_drafts: int = 0  # speculative verifies that carried a draft (issue 31)
     num_accepted: int = 0  # drafted tokens accepted
+    blocks_now: int = 0  # KV blocks its table holds in the latest blocks frame
 
     @property
     def done(self) -> bool:
@@ -69,10 +71,12 @@ class Turn:
         try:
             i = frame.request_ids.index(self.request_id)
         except ValueError:
+            self.blocks_now = 0
             return
         self.computed = frame.num_computed_tokens[i]
         offsets = frame.array("table_offsets")
-        self.max_blocks = max(self.max_blocks, int(offsets[i + 1] - offsets[i]))
+        self.blocks_now = int(offsets[i + 1] - offsets[i])
+        self.max_blocks = max(self.max_blocks, self.blocks_now)
         running = frame.request_running[i]
         self.wait_reason = request_wait(frame, i).reason
         if not self.num_prompt and not self.num_output:
@@ -103,6 +107,8 @@ class Turn:
 
     def phase_text(self, now: float | None = None) -> str:
         now = time.monotonic() if now is None else now
+        if self.phase == HELD:
+            return f"queued until the engine is ready · {now - self.submitted_at:.1f} s"
         if self.phase in (SENDING, QUEUED):
             why = f" · waiting: {WAIT_TEXT.get(self.wait_reason, self.wait_reason)}" \
                 if self.phase == QUEUED and self.wait_reason else ""

@@ -7,6 +7,12 @@ from tests.app import leaks
 
 
 @pytest.fixture(autouse=True)
+def _own_data_folder(tmp_path_factory, monkeypatch):
+    """Saved chats (app.chat.store) go to a folder of the test's, never the user's."""
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path_factory.mktemp("xdg-data")))
+
+
+@pytest.fixture(autouse=True)
 def _app_leak_check(request):
     """Every test in this folder must not leave threads, running QThreads or active QTimers
     behind once its widgets are closed; see tests/app/leaks.py."""
