@@ -18,6 +18,7 @@ from PySide6.QtWidgets import (
 )
 
 from kvscope.app.fmt import human_bytes
+from kvscope.app.traces.narrow import breakable, never_widen
 
 SIZE_INTERVAL_MS = 1000
 
@@ -55,8 +56,7 @@ class TraceRecordPanel(QWidget):
         self.browse_button = QPushButton("…")
         self.browse_button.clicked.connect(self.browse)
         self.no_prompts = QCheckBox("no prompts (record prompt lengths only)")
-        self.file_label = QLabel("")
-        self.file_label.setWordWrap(True)
+        self.file_label = never_widen(QLabel(""))
         self.size_label = QLabel("")
         self.size_label.setObjectName("traceSize")
         self.size_timer = QTimer(self)
@@ -109,12 +109,12 @@ class TraceRecordPanel(QWidget):
         self.browse_button.setEnabled(not self.recording)
         self.no_prompts.setEnabled(not self.recording)
         if self.recording:
-            self.file_label.setText(f"recording to {Path(self.path).name}")
+            self.file_label.setText(f"recording to {breakable(Path(self.path).name)}")
             self.file_label.setToolTip(self.path)  # a path has no spaces to wrap at
             self.size_timer.start()
         else:
             self.size_timer.stop()
-            self.file_label.setText(f"saved {Path(self.path).name}" if self.path
+            self.file_label.setText(f"saved {breakable(Path(self.path).name)}" if self.path
                                     else "not recording")
             self.file_label.setToolTip(self.path or "")
             self.path_edit.setText(default_trace_path(self.trace_dir))

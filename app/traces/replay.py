@@ -28,6 +28,7 @@ from PySide6.QtWidgets import (
 from kvscope.app.engine_process import engine_qprocess
 from kvscope.app.traces.cdf_plot import TraceCdfPlot
 from kvscope.app.traces.file import read_series
+from kvscope.app.traces.narrow import breakable, never_widen
 from kvscope.app.traces.plot import TraceOverlayPlot
 from kvscope.app.traces.progress import ProgressReader
 from kvscope.app.traces.url_form import API_KEY_ENV, ReplayUrlForm
@@ -143,8 +144,7 @@ class TraceReplayPanel(QWidget):
         self.export_button.setToolTip("Perfetto JSON (ui.perfetto.dev) and a CSV beside it")
         self.export_button.setEnabled(False)
         self.export_button.clicked.connect(self.export)
-        self.trace_label = QLabel("no trace open")
-        self.trace_label.setWordWrap(True)
+        self.trace_label = never_widen(QLabel("no trace open"))
         self.progress = QProgressBar()
         self.progress.setRange(0, 0)
         self.progress.setTextVisible(False)
@@ -152,7 +152,7 @@ class TraceReplayPanel(QWidget):
         self.progress.hide()
         self.status = QLabel("")
         self.status.setObjectName("traceReplayStatus")
-        self.status.setWordWrap(True)
+        never_widen(self.status)
         self.plot = TraceOverlayPlot()
         self.cdf_plot = TraceCdfPlot()
         self.url_form = ReplayUrlForm()
@@ -230,7 +230,7 @@ class TraceReplayPanel(QWidget):
         note = f" (line {series.cut_line} cut off at the end)" if series.truncated else ""
         self.trace_label.setToolTip(path)  # a path has no spaces to wrap at: the name only
         self.trace_label.setText(
-            f"{Path(path).name}{note}\n{h.model} · block {h.block_size} · KV "
+            f"{breakable(Path(path).name)}{note}\n{h.model} · block {h.block_size} · KV "
             f"{h.kv_dtype}{ROTATION_SUFFIX.get(h.kv_rotation, '')}"
             f" · {len(series.t)} steps")
         self.cdf_plot.clear()
@@ -268,7 +268,8 @@ class TraceReplayPanel(QWidget):
             self.exported.emit(False)
             return
         out_json, out_csv = self.export_outputs
-        self.status.setText(f"exported {Path(out_json).name} and {Path(out_csv).name}")
+        self.status.setText(f"exported {breakable(Path(out_json).name)} and "
+                            f"{breakable(Path(out_csv).name)}")
         self.status.setToolTip(f"{out_json}\n{out_csv}")
         self.exported.emit(True)
 
@@ -326,7 +327,7 @@ class TraceReplayPanel(QWidget):
         self.compared_names = [Path(self.trace or "").name, Path(other).name]
         self._start("compare", trace_command("compare", self.trace or "", other, "--json"))
         if say:
-            self.status.setText(f"comparing with {Path(other).name}…")
+            self.status.setText(f"comparing with {breakable(Path(other).name)}…")
 
     def _start(self, stage: str, argv: list[str], api_key: str | None = None) -> None:
         self._stage, self._out, self._err = stage, b"", b""
@@ -412,7 +413,7 @@ class TraceReplayPanel(QWidget):
             f"tok/s; {outputs}" + (f"; {len(rejected)} {failed}" if rejected else "")
             + (f"; {early} ended early" if early else "")
             + (f"; {summary.get('stopped')}" if summary.get("stopped") else "")
-            + f"\n→ {Path(self.replay_path).name}")
+            + f"\n→ {breakable(Path(self.replay_path).name)}")
         self.status.setToolTip("\n".join([self.replay_path or "", *(
             f"{rid}: {message}" for rid, message in list(rejected.items())[:10])]))
         self._compare(self.replay_path or "", say=False)
@@ -426,7 +427,25 @@ class TraceReplayPanel(QWidget):
         else:
             self._fill_table(_summary_rows(result))
         self.cdf_plot.show_runs(self.compared_names, result.get("cdf") or [])
+        self.show_like_for_like(result)
         self.finished.emit(True)
+
+    def show_like_for_like(self, result: dict) -> None:
+        """Say, above the table and in its ratio column's title, why the ratios may not
+        measure the settings alone (compare's pairs[0].not_like_for_like)."""
+        pairs = result.get("pairs") or [{}]
+        notes = [str(n) for n in (pairs[0].get("not_like_for_like") or [])]
+        header = self.table.horizontalHeaderItem(3)
+        base = self.status.text().split("not like for like:")[0].rstrip("\n")
+        if notes:
+            header.setText("ratio (not like for like)")
+            header.setToolTip("\n".join(notes))
+            self.status.setText((base + "\n" if base else "") + "not like for like: "
+                                + "; ".join(notes))
+        else:
+            header.setText("ratio")
+            header.setToolTip("")
+            self.status.setText(base)
 
     def _fill_table(self, rows: list[tuple[str, object, object, float | None]]) -> None:
         self.table.setRowCount(len(rows))

@@ -2,7 +2,9 @@
 (compare), and N runs of the same requests - kvscope traces, replays against external
 servers, Mooncake-style workloads - as serving metrics (compare_runs): request and output
 token throughput, TTFT, TPOT, ITL and E2E percentiles, goodput under an SLO, per-request
-deltas against the first run, and whether greedy outputs stayed identical."""
+deltas against the first run, whether greedy outputs stayed identical, and why two runs are
+not like for like (sampled requests, other output lengths, an unpaced replay), so a ratio
+such as "7.53x throughput" is never read as the configuration's doing when it is not."""
 from __future__ import annotations
 
 import re
@@ -175,6 +177,8 @@ class Pair(msgspec.Struct):
     deltas: list[Delta]
     median_delta: dict[str, float | None]
     outputs: OutputsCompared
+    # Why the pair's ratios may not measure the configuration alone ([]: like for like).
+    not_like_for_like: list[str] = msgspec.field(default_factory=list)
 
 
 def _sub(x: float | None, y: float | None) -> float | None:
@@ -216,6 +220,50 @@ def _delta(ra: RequestRecord, rb: RequestRecord) -> Delta:
                  output_tokens=rb.output_tokens - ra.output_tokens)
 
 
+# A run whose arrivals span less than this share of the other's was not paced like it.
+PACED_SHARE = 0.5
+MIN_PACED_SPAN_S = 1.0  # shorter recordings: arrival spans say nothing about pacing
+
+
+def _span(run: Run, ids: list[str]) -> float:
+    return max((run.requests[i].arrival for i in ids), default=0.0)
+
+
+def run_letter(k: int) -> str:
+    """A run's name in the reports: A, B, ... (past Z its index)."""
+    return chr(ord("A") + k) if k < 26 else str(k)
+
+
+def not_like_for_like(a: Run, b: Run, ids: list[str], name_a: str = "A",
+                      name_b: str = "B") -> list[str]:
+    """Why B against A does not measure the configuration alone, one sentence each."""
+    notes = []
+    sampled_a = sum(not a.requests[i].greedy for i in ids)
+    sampled_b = sum(not b.requests[i].greedy for i in ids)
+    if sampled_a or sampled_b:
+        notes.append(f"sampled, not greedy: {sampled_a} of {len(ids)} requests in "
+                     f"{name_a}, {sampled_b} in {name_b} (their outputs and "
+                     "lengths differ by chance)")
+    both = [i for i in ids if a.requests[i].ok and b.requests[i].ok]
+    other = [i for i in both if a.requests[i].output_tokens != b.requests[i].output_tokens]
+    if other and a.has_timings and b.has_timings:
+        tokens_a = sum(a.requests[i].output_tokens for i in both)
+        tokens_b = sum(b.requests[i].output_tokens for i in both)
+        notes.append(f"different output lengths: {len(other)} of {len(both)} requests "
+                     f"({tokens_a:,} tokens in {name_a}, {tokens_b:,} in "
+                     f"{name_b}): the throughputs count different work")
+    span_a, span_b = _span(a, ids), _span(b, ids)
+    longer = max(span_a, span_b)
+    if longer >= MIN_PACED_SPAN_S and min(span_a, span_b) < PACED_SHARE * longer:
+        fast = name_b if span_b < span_a else name_a
+        notes.append(f"not paced alike: requests arrived over {span_a:.1f} s in "
+                     f"{name_a} and {span_b:.1f} s in {name_b} ({fast} "
+                     "replayed unpaced, as fast as it goes): a different load, so throughput "
+                     "and latency differ for that reason too (replay at --speed 1 to compare "
+                     "like for like)")
+    return notes
+
+
 def compare_pair(runs: Sequence[Run], ia: int, ib: int,
                  decode: Callable[[list[int]], str] | None = None) -> Pair:
     a, b = runs[ia], runs[ib]
@@ -231,7 +279,9 @@ def compare_pair(runs: Sequence[Run], ia: int, ib: int,
                                        for i in ids),
                 deltas=deltas, median_delta=median,
                 outputs=_outputs(a, b, ids, decode) if a.has_timings and b.has_timings
-                else OutputsCompared(identical=None, not_compared="a workload has no outputs"))
+                else OutputsCompared(identical=None, not_compared="a workload has no outputs"),
+                not_like_for_like=not_like_for_like(a, b, ids, run_letter(ia),
+                                                    run_letter(ib)))
 
 
 class RunComparison(msgspec.Struct):

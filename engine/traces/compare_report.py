@@ -76,6 +76,7 @@ def _pair_lines(c: RunComparison, p: Pair) -> list[str]:
         lines.append(f"  greedy outputs {'identical' if o.identical else 'differ'} "
                      f"({o.compared} compared" + (f", differing: {', '.join(o.differing[:8])}"
                                                   if o.differing else "") + ")")
+    lines += [f"  not like for like: {note}" for note in p.not_like_for_like]
     med = p.median_delta
     lines.append(f"  median per-request delta: TTFT {_fmt(med['ttft_ms'])} ms, "
                  f"E2E {_fmt(med['e2e_ms'])} ms, output tokens {_fmt(med['output_tokens'])}")

@@ -12,6 +12,7 @@ import pytest
 
 from kvscope.app.bridge import EngineBridge
 from kvscope.app.traces.file import read_series
+from kvscope.app.traces.narrow import shown_name
 from kvscope.app.traces.panel import engine_args_from
 from kvscope.app.traces.record import TraceRecordPanel
 from kvscope.app.traces.replay import TraceReplayPanel
@@ -102,7 +103,8 @@ def test_record_button_toggles_and_shows_the_growing_size(qtbot, tmp_path):
         panel.record_button.click()
         qtbot.waitUntil(lambda: panel.recording, timeout=5000)
         assert client.calls == [("start", str(path), False)]
-        assert "Stop" in panel.record_button.text() and path.name in panel.file_label.text()
+        assert "Stop" in panel.record_button.text()
+        assert path.name in shown_name(panel.file_label.text())
         assert panel.file_label.toolTip() == str(path)
         assert panel.size_bytes == 16 and panel.size_timer.isActive()
         with path.open("ab") as f:
@@ -284,7 +286,7 @@ def test_export_writes_perfetto_json_and_csv_through_the_cli(qtbot, tmp_path, mo
     assert events["traceEvents"] if isinstance(events, dict) else events
     csv_lines = (tmp_path / "out" / "session.csv").read_text().splitlines()
     assert len(csv_lines) > 1  # a header and the steps
-    assert "exported session.json and session.csv" in panel.status.text()
+    assert "exported session.json and session.csv" in shown_name(panel.status.text())
     assert panel.export_button.isEnabled() and panel.open_button.isEnabled()
 
 
