@@ -26,9 +26,9 @@ from PySide6.QtGui import (
 
 from kvscope.app.chat.highlight import COLORS, spans
 
+_HEADING = re.compile(r"^ {0,3}(#{1,6})\s")
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})\s*([\w+#.-]*)")
 CODE_BACKGROUND = "#1b1e24"
-TEXT_COLOR = "#e6e6e6"
 
 
 @dataclass
@@ -116,8 +116,6 @@ class Renderer:
             fmt.setFont(self._mono)
             fmt.setForeground(QColor(color))
             self._formats[kind] = fmt
-        self._text = QTextCharFormat()
-        self._text.setForeground(QColor(TEXT_COLOR))
 
     def _end(self) -> QTextCursor:
         cursor = QTextCursor(self.document)
@@ -131,27 +129,18 @@ class Renderer:
             if seg.kind == "prose":
                 cursor = new_block()
                 start = cursor.position()
-                cursor.insertMarkdown(seg.text.strip("\n"),
-                                      QTextDocument.MarkdownFeature.MarkdownDialectGitHub)
-                self._recolor(start, cursor.position())
+                prose = seg.text.strip("\n")
+                cursor.insertMarkdown(prose, QTextDocument.MarkdownFeature.MarkdownDialectGitHub)
+                heading = _HEADING.match(prose)
+                if heading:  # the first block took the block's format it went into: restore
+                    fmt = QTextBlockFormat()
+                    fmt.setHeadingLevel(len(heading.group(1)))
+                    fmt.setTopMargin(8)
+                    fmt.setBottomMargin(4)
+                    first = QTextCursor(self.document.findBlock(start))
+                    first.setBlockFormat(fmt)
             else:
                 self._code(seg, new_block())
-
-    def _recolor(self, start: int, end: int) -> None:
-        """Prose in the chat's text colour (links keep theirs)."""
-        cursor = QTextCursor(self.document)
-        block = self.document.findBlock(start)
-        while block.isValid() and block.position() <= end:
-            it = block.begin()
-            while not it.atEnd():
-                frag = it.fragment()
-                if not frag.charFormat().isAnchor():
-                    cursor.setPosition(frag.position())
-                    cursor.setPosition(frag.position() + frag.length(),
-                                       QTextCursor.MoveMode.KeepAnchor)
-                    cursor.mergeCharFormat(self._text)
-                it += 1
-            block = block.next()
 
     def _code(self, seg: Segment, cursor: QTextCursor) -> None:
         index = len(self.code_blocks)

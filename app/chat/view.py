@@ -32,6 +32,7 @@ class ConversationView(QTextBrowser):
         self.index = index
         self.conversation = conversation
         self.turn: Turn | None = None  # the reply in flight, if any
+        self.saved = False  # its file exists (ChatPanel writes it with the first message)
         self.code_blocks: list[str] = []
         self.renderer = Renderer(self.document(), self.code_blocks)
         # (first, last position, request id) of each reply with a request: clicks select it.

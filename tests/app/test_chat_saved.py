@@ -159,9 +159,11 @@ def test_export_markdown_and_json(qtbot, tmp_path):
     md = (tmp_path / "out.md").read_text()
     assert md.startswith("# Show code\n")
     assert "**System:**\n\nBe brief." in md
-    assert "**You:**\n\nShow code" in md and "**Assistant:**\n\nHere:\n\n```python\nprint(1)\n```" in md
+    assert "**You:**\n\nShow code" in md
+    assert "**Assistant:**\n\nHere:\n\n```python\nprint(1)\n```" in md
     doc = json.loads((tmp_path / "out.json").read_text())
     assert doc["title"] == "Show code" and doc["system_prompt"] == "Be brief."
+    reply = "Here:\n\n```python\nprint(1)\n```\n"
     assert doc["messages"] == [{"role": "user", "content": "Show code"},
-                               {"role": "assistant", "content": "Here:\n\n```python\nprint(1)\n```\n"}]
+                               {"role": "assistant", "content": reply}]
     assert doc["settings"]["temperature"] == pytest.approx(chat.temperature.value())
