@@ -49,7 +49,7 @@ durations: setup
 # as the wheel installs it.
 LINT_TREE ?= build/lint-tree
 MYPY_CACHE ?= build/mypy-cache
-SUBPACKAGES := engine kernels ipc app kvmath benchmarks
+SUBPACKAGES := engine kernels ipc app kvmath
 stage:
 	rm -rf $(LINT_TREE) && mkdir -p $(LINT_TREE)
 	cp -r kvscope $(LINT_TREE)/kvscope

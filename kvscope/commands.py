@@ -34,9 +34,9 @@ COMMANDS: tuple[Command, ...] = (
             "reserved-max-length vs paged KV waste experiment", needs_torch=False),
     Command("keys", "kvscope.keys",
             "CURVE keys for remote attach: init, show, allow, trust", needs_torch=False),
-    Command("bench", "kvscope.benchmarks.bench",
+    Command("bench", "kvscope.engine.cli.bench",
             "engine vs Hugging Face generate on a mixed workload", needs_torch=True),
-    Command("kv-accuracy", "kvscope.benchmarks.kv_accuracy",
+    Command("kv-accuracy", "kvscope.engine.cli.kv_accuracy",
             "accuracy of each KV dtype against float32 KV", needs_torch=True),
 )
 

@@ -1,26 +1,25 @@
-"""The last saved passkey grid, read and checked: what the heatmaps show.
+"""The last saved passkey grid, as the heatmaps show it.
 
-`kvscope kv-accuracy --task passkey` saves its run to the user's data folder
-($XDG_DATA_HOME/kvscope/kv-accuracy/last-passkey.json, else ~/.local/share/...): the same
-path as benchmarks/saved_results.py, computed here because the window may not import it. A
-file that is not such a grid is refused with a message that says what was wrong; the window
-then shows the message instead of a grid.
+`kvscope kv-accuracy --task passkey` saves its run to the user's data folder; the path and
+the format are ipc/saved_results.py's, which reads the file strictly. This module keeps the
+view of it the heatmaps draw (one SettingGrid a setting, the grid's lengths and depths). A file
+that is not a passkey run is refused with a message that says what was wrong; the window then
+shows the message instead of a grid.
 """
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvscope.ipc import saved_results
 
 
 class GridError(ValueError):
     pass
 
 
-def saved_path(task: str = "passkey") -> Path:
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(base) / "kvscope" / "kv-accuracy" / f"last-{task}.json"
+def saved_path() -> Path:
+    return saved_results.saved_path("passkey")
 
 
 @dataclass(frozen=True)
@@ -59,36 +58,26 @@ class SavedGrid:
         return [s for s in self.settings if s.kv_dtype == dtype]
 
 
-def parse(data: object) -> SavedGrid:
-    """A SavedGrid from a decoded JSON document, or GridError naming what is wrong."""
-    if not isinstance(data, dict):
-        raise GridError("not a JSON object")
-    if data.get("task") != "passkey":
-        raise GridError(f"task is {data.get('task')!r}, not 'passkey'")
-    settings = data.get("settings")
-    if not isinstance(settings, dict) or not settings:
-        raise GridError("no settings")
+def parse(data: bytes | str) -> SavedGrid:
+    """A SavedGrid from a saved file's bytes, or GridError naming what is wrong."""
     try:
-        grids = [_setting(name, s) for name, s in settings.items()]
-        lengths = sorted({c.length for g in grids for c in g.cells})
-        depths = sorted({c.depth for g in grids for c in g.cells})
-        return SavedGrid(model=str(data["model"]), date=str(data["date"]),
-                         seconds=float(data.get("seconds", 0.0)), lengths=lengths,
-                         depths=depths, settings=grids, partial=bool(data.get("partial")))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise GridError(f"malformed grid: {type(exc).__name__} {exc}") from None
-
-
-def _setting(name: str, s: dict) -> SettingGrid:
-    cells = [Cell(length=int(c["length"]), depth=float(c["depth"]),
-                  right=None if c.get("right") is None else float(c["right"]),
-                  same=float(c["same_as_float32"]), kl=float(c["kl"]), rank=float(c["rank"]))
-             for c in s["cells"]]
-    if not cells:
-        raise ValueError(f"setting {name} has no cells")
-    return SettingGrid(name=str(name), kv_dtype=str(s["kv_dtype"]),
-                       kv_rotation=str(s["kv_rotation"]),
-                       kv_anchor_tokens=int(s["kv_anchor_tokens"]), cells=cells)
+        run = saved_results.decode(data)
+    except saved_results.SavedResultsError as exc:
+        raise GridError(str(exc)) from None
+    if run.task != "passkey":
+        raise GridError(f"task is {run.task!r}, not 'passkey'")
+    grids = [SettingGrid(name=name, kv_dtype=s.kv_dtype, kv_rotation=s.kv_rotation,
+                         kv_anchor_tokens=s.kv_anchor_tokens,
+                         # decode refused a passkey cell without a depth: `or 0.0` is for
+                         # the type only
+                         cells=[Cell(length=c.length, depth=c.depth or 0.0, right=c.right,
+                                     same=c.same_as_float32, kl=c.kl, rank=c.rank)
+                                for c in s.cells])
+             for name, s in run.settings.items()]
+    return SavedGrid(model=run.model, date=run.date, seconds=run.seconds,
+                     lengths=sorted({c.length for g in grids for c in g.cells}),
+                     depths=sorted({c.depth for g in grids for c in g.cells}),
+                     settings=grids, partial=run.partial)
 
 
 def load(path: Path | None = None) -> tuple[SavedGrid | None, str]:
@@ -98,6 +87,6 @@ def load(path: Path | None = None) -> tuple[SavedGrid | None, str]:
         return None, ("no long-context grid measured yet: press Measure, or run "
                       "`kvscope kv-accuracy --task passkey`")
     try:
-        return parse(json.loads(path.read_text())), ""
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, GridError) as exc:
+        return parse(path.read_bytes()), ""
+    except (OSError, GridError) as exc:
         return None, f"ignored the saved grid {path}: {exc}"

@@ -1,6 +1,6 @@
 """Check the device monitor against the tools people trust: nvidia-smi on CUDA, ps on CPU.
 
-    python -m kvscope.benchmarks.device.device_check [--device cuda] [--tolerance 0.05]
+    python -m benchmarks.device.device_check [--device cuda] [--tolerance 0.05]
 
 Loads the engine, runs a few requests (so activations and the allocator's cache exist), takes
 one device sample and the same numbers from nvidia-smi / ps a moment later, and prints them

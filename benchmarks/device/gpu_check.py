@@ -1,7 +1,7 @@
 """Check every Triton kernel against its torch reference, time them, and run the engine end to
 end against Hugging Face, on a GPU if there is one.
 
-    python -m kvscope.benchmarks.device.gpu_check [--parts kernels,decode,e2e,device]
+    python -m benchmarks.device.gpu_check [--parts kernels,decode,e2e,device]
         [--out DIR] [--model M] [--json] [--quick] [--seed N]
 
 Parts (all by default; on one H200 about 6 minutes in all, most of it Triton compiling):
@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvscope.benchmarks.timing import add_json_flag, print_result
+from kvscope.engine.measure.timing import add_json_flag, print_result
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -69,7 +69,7 @@ class Run:
 
 
 def run_kernels(run: Run, has_cuda: bool) -> None:
-    from kvscope.benchmarks.device.gpu_kernels import correctness
+    from benchmarks.device.gpu_kernels import correctness
 
     def log_and_save(message: str) -> None:
         run.log(message)
@@ -83,8 +83,8 @@ def run_kernels(run: Run, has_cuda: bool) -> None:
 def run_decode(run: Run) -> None:
     import torch
 
-    from kvscope.benchmarks.device.gpu_decode import copy_bandwidth, time_decode
-    from kvscope.benchmarks.device.gpu_kernels import KV_DTYPE_NAMES
+    from benchmarks.device.gpu_decode import copy_bandwidth, time_decode
+    from benchmarks.device.gpu_kernels import KV_DTYPE_NAMES
 
     run.log("copy bandwidth ...")
     copy_bw = copy_bandwidth("cuda")
@@ -106,14 +106,14 @@ def run_decode(run: Run) -> None:
 
 
 def run_e2e(run: Run, model: str, device: str, quick: bool) -> None:
-    from kvscope.benchmarks.device.gpu_e2e import run_all
+    from benchmarks.device.gpu_e2e import run_all
 
     run_all(model, device, run.result["seed"], quick, run.log,
             result=run.result.setdefault("e2e", {}), saved=run.save)
 
 
 def run_device(run: Run, model: str) -> None:
-    from kvscope.benchmarks.device.device_check import compare_with_tools
+    from benchmarks.device.device_check import compare_with_tools
     from kvscope.engine import EngineConfig, SamplingParams
     from kvscope.engine.llm_engine import LLMEngine
 
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     if not has_cuda:
         # Must precede the first import of a kernel module (triton.jit reads it then).
         os.environ["TRITON_INTERPRET"] = "1"
-    from kvscope.benchmarks.device.gpu_report import format_with_verdict
+    from benchmarks.device.gpu_report import format_with_verdict
 
     run = Run(args.out, seed)
     r = run.result
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         elif part == "device":
             run_device(run, args.model)
         run.save()
-    from kvscope.benchmarks.device.gpu_e2e import passed
+    from benchmarks.device.gpu_e2e import passed
 
     r["ok"] = all(c["ok"] for c in r.get("checks", [])) and passed(r.get("e2e") or {})
     run.save()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from kvscope.benchmarks.device.gpu_kernels import torch_dtype
-from kvscope.benchmarks.timing import is_cuda, median_of
+from benchmarks.device.gpu_kernels import torch_dtype
+from kvscope.engine.measure.timing import is_cuda, median_of
 
 
 def bench_ms(fn: Callable[[], object], device: object = "cuda") -> float:

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvscope.benchmarks.timing import sync_device
+from kvscope.engine.measure.timing import sync_device
 
 GiB = 2**30
 
@@ -76,7 +76,7 @@ class Context:
     def hf(self, dtype: str):
         import torch
 
-        from kvscope.benchmarks.bench import load_hf
+        from kvscope.engine.measure.bench import load_hf
 
         if dtype not in self._hf:
             self._hf.clear()  # one HF model on the device at a time
@@ -86,7 +86,7 @@ class Context:
 
     def prompts(self, n: int, length: int, salt: int = 0) -> list[list[int]]:
         """Random token ids, special tokens left out, seeded by the run's seed and `salt`."""
-        from kvscope.benchmarks.bench import special_token_ids
+        from kvscope.engine.measure.bench import special_token_ids
 
         loaded = next(iter(self._loaded.values()), None) or self.loaded("bfloat16")
         exclude = special_token_ids(loaded.tokenizer)
@@ -125,7 +125,7 @@ def hf_tokens(model, prompts: list[list[int]], max_tokens: int, device: str
               ) -> tuple[list[list[int]], float]:
     import torch
 
-    from kvscope.benchmarks.bench import Request, hf_generate_batch
+    from kvscope.engine.measure.bench import Request, hf_generate_batch
 
     pad = int(model.config.eos_token_id if isinstance(model.config.eos_token_id, int)
               else 0)

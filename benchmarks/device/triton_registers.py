@@ -1,6 +1,6 @@
 """Registers, stack and KV-loop spills of the Triton attention kernel, compiled for NVIDIA GPUs.
 
-    python -m kvscope.benchmarks.device.triton_registers [--caps 80 90] [--json]
+    python -m benchmarks.device.triton_registers [--caps 80 90] [--json]
 
 It compiles on a machine without a GPU: Triton lowers to PTX and its bundled ptxas and
 cuobjdump build and read the cubin, so no driver or device is needed.
@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 
-from kvscope.benchmarks.timing import add_json_flag, print_result
+from kvscope.engine.measure.timing import add_json_flag, print_result
 
 POINTERS = {"q_ptr": "*bf16", "k_cache_ptr": "*i8", "v_cache_ptr": "*i8",
             "block_tables_ptr": "*i64", "qsl_ptr": "*i32", "ctx_ptr": "*i32",

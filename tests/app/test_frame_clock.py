@@ -9,11 +9,11 @@ import time
 
 from PySide6.QtCore import QSettings
 
+from benchmarks.window.gui_bench import synthetic_frames  # the benchmark's own frames
 from kvscope.app import frame_clock
 from kvscope.app.frame_clock import FrameClock, FrameJobs
 from kvscope.app.main_window import MainWindow
 from kvscope.app.plots.time_window import nice_ceiling, x_range
-from kvscope.benchmarks.gui_bench import synthetic_frames  # the benchmark's own frames
 from kvscope.testing.frames import heartbeat, stats_frame, step_frame
 
 

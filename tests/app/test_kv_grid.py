@@ -17,8 +17,11 @@ LENGTHS, DEPTHS = [1024, 4096], [0.0, 0.5, 1.0]
 
 def grid(right=1.0):
     def cells(r):
-        return [{"length": n, "depth": d, "right": r, "same_as_float32": 1.0 if r else 0.5,
-                 "kl": 0.01, "rank": 1.0} for n in LENGTHS for d in DEPTHS]
+        return [{"length": n, "depth": d, "tokens": n, "samples": 2, "right": r,
+                 "same_as_float32": 1.0 if r else 0.5, "agreement": 1.0 if r else 0.5,
+                 "top1_agreement": 0.9, "kl": 0.01, "rank": 1.0,
+                 "answers": [{"answer": " 12345", "key": 12345, "right": bool(r)}]}
+                for n in LENGTHS for d in DEPTHS]
     settings = {}
     for name, dtype, rot, anchors in [("float32", "float32", "none", 0),
                                       ("bfloat16", "bfloat16", "none", 0),
@@ -27,9 +30,12 @@ def grid(right=1.0):
                                       ("fp8", "fp8", "calibrated", 4),
                                       ("fp8+none", "fp8", "none", 0)]:
         settings[name] = {"kv_dtype": dtype, "kv_rotation": rot, "kv_anchor_tokens": anchors,
+                          "kv_bytes_per_token": 12240,
                           "cells": cells(0.0 if name == "fp8+none" else right)}
     return {"task": "passkey", "model": "SmolLM2-135M", "date": "2026-12-02T04:00:00+00:00",
-            "seconds": 300.0, "settings": settings}
+            "seconds": 300.0, "machine": "x86_64, 2 cores", "probes": 12,
+            "lengths": LENGTHS, "depths": DEPTHS, "seeds": 2, "partial": False,
+            "settings": settings}
 
 
 class IdleRunner(GridRunner):
@@ -72,7 +78,8 @@ def test_cell_tooltip_names_its_numbers(box):
 @pytest.mark.parametrize("content", [
     "{not json", json.dumps([1, 2]), json.dumps({**grid(), "task": "document"}),
     json.dumps({**grid(), "settings": {"int8": {"kv_dtype": "int8"}}}),
-    json.dumps({**grid(), "settings": {}}), "\xff\xfe"])
+    json.dumps({**grid(), "settings": {}}), "\xff\xfe",
+    json.dumps({**grid(), "model": None})])
 def test_corrupt_saved_grid_is_ignored_with_a_message(qtbot, tmp_path, content):
     path = tmp_path / "last-passkey.json"
     path.write_text(content, encoding="latin-1")
@@ -91,11 +98,20 @@ def test_missing_grid_says_how_to_measure(qtbot, tmp_path, monkeypatch):
     assert "Measure" in b.caption.text() and b.maps == []
 
 
-def test_saved_path_is_the_commands(tmp_path, monkeypatch):
-    from kvscope.benchmarks import saved_results
+def test_the_window_reads_where_the_command_writes(tmp_path, monkeypatch):
+    """The command's writer (ipc.saved_results, as kv_accuracy.run_long_task calls it) and
+    the window agree on the path and the format."""
+    from kvscope.ipc import saved_results
 
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
-    assert saved_results.last_run_path("passkey") == saved_grid.saved_path()
+    written = saved_results.save(saved_results.from_result(grid()),
+                                 saved_results.saved_path("passkey"))
+    assert written == saved_grid.saved_path()
+    loaded, message = saved_grid.load()
+    assert message == "" and loaded is not None
+    assert [s.name for s in loaded.settings][:2] == ["float32", "bfloat16"]
+    assert loaded.lengths == LENGTHS and loaded.depths == DEPTHS
+    assert loaded.setting("fp8+none").cells[0].right == 0.0
 
 
 def test_background_run_shows_progress_then_reloads(qtbot, tmp_path, monkeypatch):

@@ -1,10 +1,10 @@
 """A long window session keeps its memory flat (issue 29): frames at full rate from synthetic
 engine state, requests coming and going all the time. Scaled down for CI (20 s); the hour is
-`python -m kvscope.benchmarks.window_soak --minutes 60`."""
+`python -m benchmarks.window.window_soak --minutes 60`."""
 from __future__ import annotations
 
+from benchmarks.window.window_soak import window_session
 from kvscope.app.blocks import history
-from kvscope.benchmarks.window_soak import window_session
 
 
 def test_window_memory_stays_flat_over_a_session(qapp, monkeypatch):

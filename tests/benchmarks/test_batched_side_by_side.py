@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import stat
 
-from kvscope.benchmarks import batched_side_by_side
+from benchmarks.serving import batched_side_by_side
 from kvscope.testing.tiny_models import save_tiny_model
 
 TABLE = """

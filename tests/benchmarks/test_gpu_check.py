@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvscope.benchmarks.device.gpu_check import parse_args
-from kvscope.benchmarks.device.gpu_report import format_with_verdict
+from benchmarks.device.gpu_check import parse_args
+from benchmarks.device.gpu_report import format_with_verdict
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
@@ -46,7 +46,7 @@ def test_parts_are_checked_by_name():
 
 
 def test_a_float32_difference_or_a_leaky_preemption_fails_the_run():
-    from kvscope.benchmarks.device.gpu_e2e import passed
+    from benchmarks.device.gpu_e2e import passed
 
     good = {"agreement": {"float32_exact": True}, "families": {"all_exact": True},
             "speculative": {"float32_exact": True}, "preemption": {"ok": True}}

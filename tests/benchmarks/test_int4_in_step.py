@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvscope.benchmarks import int4_in_step
+from benchmarks.cpu import int4_in_step
 from kvscope.kernels import kernel_choice, native
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler here")

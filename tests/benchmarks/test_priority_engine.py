@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvscope.benchmarks import priority_engine as bench
+from benchmarks.serving import priority_engine as bench
 
 
 def test_a_short_run_alternates_alone_and_beside(chat_model, capsys):

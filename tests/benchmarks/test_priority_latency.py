@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvscope.benchmarks import priority_latency as bench
+from benchmarks.serving import priority_latency as bench
 
 
 def test_a_short_run_reports_each_phase_of_each_policy(chat_model, capsys):

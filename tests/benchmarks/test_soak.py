@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from kvscope.benchmarks import soak
+from benchmarks.serving import soak
 
 
 @pytest.mark.skipif(os.environ.get("KVSCOPE_SOAK") != "1", reason="set KVSCOPE_SOAK=1")

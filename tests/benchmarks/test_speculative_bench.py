@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvscope.benchmarks.speculative import TEXT, prompts_for, table
+from benchmarks.serving.speculative import TEXT, prompts_for, table
 
 
 def test_workloads_are_input_grounded_and_distinct():
@@ -63,7 +63,7 @@ class _Engine:
 
 
 def test_a_slot_freed_by_a_finished_request_takes_the_next_prompt():
-    from kvscope.benchmarks.speculative import run_batch
+    from benchmarks.serving.speculative import run_batch
 
     llm = type("LLM", (), {"engine": _Engine()})
     prompts = [[3, 0], [1, 1], [1, 2], [2, 3], [5, 4]]
@@ -79,7 +79,7 @@ def test_a_slot_freed_by_a_finished_request_takes_the_next_prompt():
 
 
 def test_a_run_has_at_least_the_minimum_requests_in_whole_slots():
-    from kvscope.benchmarks.speculative import requests_at
+    from benchmarks.serving.speculative import requests_at
 
     assert requests_at(1, 3, 12) == 12
     assert requests_at(2, 3, 12) == 12

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvscope.benchmarks import step_profile
+from benchmarks.cpu import step_profile
 from kvscope.testing.tiny_models import save_tiny_model
 
 
