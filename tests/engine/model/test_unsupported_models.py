@@ -116,3 +116,26 @@ def test_a_checkpoint_tensor_the_engine_would_not_use_is_refused(tmp_path):
     with pytest.raises(ValueError, match="tensors the engine does not compute "
                                          r"\(layers.0.self_attn.q_norm.weight\)"):
         LLM(EngineConfig(model=str(path), weights="dense", dtype="float32"))
+
+
+def test_the_window_refuses_what_the_engine_refuses():
+    """kvmath.model_support over config.json's dict (what the window reads, without
+    transformers) refuses every model the engine refuses, naming the same thing (the lists
+    of fields differ where transformers aliases one: num_experts for num_local_experts),
+    and none the engine runs; its names match the engine's math."""
+    from kvscope.engine.model import family, rope
+    from kvscope.kvmath import model_support
+
+    for model_type, fields, message in REFUSALS:
+        cfg = config(model_type, **fields)
+        with pytest.raises(ValueError):
+            check_supported(cfg)
+        why = model_support.refusal(json.loads(cfg.to_json_string()))
+        assert why is not None and message in why and repr(cfg.model_type) in why
+    for model_type in family.SUPPORTED_FAMILIES:
+        assert model_support.refusal(json.loads(config(model_type).to_json_string())) is None
+    assert model_support.SUPPORTED_FAMILIES == family.SUPPORTED_FAMILIES
+    assert model_support.GEMMA_FAMILIES == family.GEMMA_FAMILIES
+    assert model_support.ATTENTION_LAYER_TYPES == family.ATTENTION_LAYER_TYPES
+    assert model_support.ACTIVATIONS == family.ACTIVATIONS
+    assert model_support.PER_LAYER_TYPE == rope.PER_LAYER_TYPE
