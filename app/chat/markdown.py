@@ -160,10 +160,9 @@ class Renderer:
         link.setAnchor(True)
         link.setAnchorHref(f"copy-code:{index}")
         link.setForeground(QColor("#8ab4f8"))
-        cursor.insertText("⧉ Copy", link)
-        body = QTextBlockFormat()
-        body.setNonBreakableLines(True)
-        cursor.insertBlock(body, self._formats["plain"])
+        cursor.insertText("Copy", link)
+        # Lines wrap: unbroken lines would scroll the whole transcript sideways in a narrow dock.
+        cursor.insertBlock(QTextBlockFormat(), self._formats["plain"])
         start = cursor.position()
         cursor.insertText(seg.text, self._formats["plain"])
         for offset, length, kind in spans(seg.text):

@@ -127,6 +127,8 @@ class ChatPanel(QWidget):
         self.sidebar.customContextMenuRequested.connect(
             lambda pos: self._menu().exec(self.sidebar.mapToGlobal(pos)))
         self.sidebar.setToolTip("Conversations, saved as they go. Double-click to rename.")
+        self.sidebar.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.sidebar.setTextElideMode(Qt.TextElideMode.ElideRight)
         self.splitter = QSplitter(Qt.Orientation.Horizontal)
         self.splitter.addWidget(self.sidebar)
         self.splitter.addWidget(self.stack)

@@ -117,7 +117,7 @@ class ConversationView(QTextBrowser):
             text = f"<a href='request:{request_id}' style='text-decoration:none'>{text}</a>"
         self._new_block(spacing=2).insertHtml(
             f"{text} <a href='copy-reply:{i}' style='color:{MUTED};text-decoration:none;"
-            f"font-size:small'>⧉ copy</a>")
+            f"font-size:small'>· copy reply</a>")
         self._end().setCharFormat(QTextCharFormat())
 
     # -- the reply in flight ------------------------------------------------------------------

@@ -170,7 +170,8 @@ def test_long_transcript_keeps_following_new_replies(qtbot):
         assert last_line_visible(view), f"the reply ran below the view after batch {n}"
     chat.on_deltas([delta(rid, "Fin.", 12, finished=True, finish_reason="stop")])
     qtbot.wait(1)
-    assert last_line_visible(view) and view.toPlainText().rstrip().endswith("stop: stop ⧉ copy")
+    assert last_line_visible(view)
+    assert view.toPlainText().rstrip().endswith("stop: stop · copy reply")
 
 
 def test_user_who_scrolled_up_is_not_pulled_down(qtbot):
