@@ -18,6 +18,7 @@ from PySide6.QtCore import QObject, QThread, QTimer, Signal, Slot
 
 from kvscope.ipc import EngineClient, EngineError, EngineTimeout
 from kvscope.ipc.messages import TOPICS
+from kvscope.ipc.settings import SettingsChange
 
 DRAIN_INTERVAL_MS = 33
 HELLO_ATTEMPTS, HELLO_TIMEOUT_S = 4, 15
@@ -141,9 +142,9 @@ class CommandWorker(QObject):
             self.commandFailed.emit("abort", _message(exc))
 
     @Slot(object)
-    def reconfigure(self, changes: dict) -> None:
+    def reconfigure(self, change: SettingsChange) -> None:
         try:
-            self.reconfigured.emit(self.client.reconfigure(timeout=120, **changes))
+            self.reconfigured.emit(self.client.reconfigure(change, timeout=120))
         except EngineError as exc:
             self.reconfigureRefused.emit(exc.message)
         except Exception as exc:  # noqa: BLE001
@@ -289,11 +290,11 @@ class EngineBridge(QObject):
         if self.client is not None:
             self._abortRequested.emit(request_id)
 
-    def reconfigure(self, changes: dict) -> None:
+    def reconfigure(self, change: SettingsChange) -> None:
         if self.client is None:
             self.reconfigureRefused.emit("no engine is connected")
             return
-        self._reconfigureRequested.emit(dict(changes))
+        self._reconfigureRequested.emit(change)
 
     def trace_start(self, path: str, include_prompts: bool = True) -> None:
         if self.client is None:

@@ -5,18 +5,21 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, NoReturn
 
 from kvscope.ipc.messages import EngineSettings
+from kvscope.ipc.settings import FLOAT_SETTINGS, RULES, check_setting
+
+# The settings a running engine can change, their names and limits, are defined once in
+# ipc/settings.py (the window reads them too); re-exported here for the engine's commands.
+from kvscope.ipc.settings import KV_ROTATIONS as KV_ROTATIONS
+from kvscope.ipc.settings import MAX_KV_ANCHOR_TOKENS as MAX_KV_ANCHOR_TOKENS
+from kvscope.ipc.settings import MAX_SPECULATIVE_TOKENS as MAX_SPECULATIVE_TOKENS
+from kvscope.ipc.settings import SCHEDULING_POLICIES as SCHEDULING_POLICIES
+from kvscope.ipc.settings import SPECULATIVE_METHODS as SPECULATIVE_METHODS
+from kvscope.kvmath.kv_dtypes import KV_DTYPES as KV_DTYPES
+from kvscope.kvmath.kv_dtypes import ONE_BYTE_KV_DTYPES
 
 if TYPE_CHECKING:  # annotations only: at run time the functions below import torch lazily
     import torch
 
-KV_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8")
-# K/V rotation (kernels/rotation.py) and the exact K shift and q/k balance on top of it
-# (kernels/k_balance.py, calibrated once per model by engine/kv_cache/calibration.py):
-# "calibrated" = Hadamard + K balance, "hadamard" = the rotation alone, "none" = plain.
-# "auto": "calibrated" for the 1-byte dtypes, where it halves int8's KL from float32 again
-# after the rotation's 4.4x (fp8: 1.9x in all; benchmarks/kv_accuracy.py, docs/kv-dtypes.md),
-# "none" for the float ones, where nothing is lost to begin with.
-KV_ROTATIONS = ("auto", "calibrated", "hadamard", "none")
 MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 # Matmul weights: dense in the model dtype, or weight-only int4 / int8 (CPU); see
@@ -31,13 +34,11 @@ DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
 # 4 by default: on the embedded model int8's mean KL from float32 KV falls 40 %
 # (benchmarks/kv_accuracy.py, docs/kv-dtypes.md). Float pools ignore it.
 DEFAULT_KV_ANCHOR_TOKENS = 4
-MAX_KV_ANCHOR_TOKENS = 64
 # Scheduling (engine/scheduling/scheduler.py). "priority" by default: with every request at the
 # default priority 0 it schedules exactly as "fcfs" does
 # (tests/engine/scheduling/test_priority_properties.py checks it step for step), so it costs nothing
 # until a client sets a priority, and the window's chat (priority -1) then overtakes background work
 # out of the box.
-SCHEDULING_POLICIES = ("fcfs", "priority")
 # Aging: a request's effective priority improves by 1 per this many seconds since it arrived,
 # so a stream of urgent work cannot starve the rest; 0 = off. 60 s, measured
 # (benchmarks/priority_latency.py, README): at 10 s, background requests queued more than 10 s
@@ -73,18 +74,10 @@ DEFAULT_PRIORITY_STEP_STRETCH = 2.0
 # 4-bit tiles, 5 s kept it at 0.51x of its output alone, 0 at 0.68x, the chat's TTFT p99
 # 1.34x and 1.04x idle (docs/scheduling.md). 0 by default.
 DEFAULT_PRIORITY_HOLD_S = 0.0
-# Speculative decoding from the context (engine/spec_decode/ngram.py, docs/speculative.md): "off" or
-# "ngram" (prompt lookup, vLLM's names and defaults for K and the n-gram lengths).
-SPECULATIVE_METHODS = ("off", "ngram")
-MAX_SPECULATIVE_TOKENS = 16
 
 
 def _fail(field: str, value: object, allowed: str) -> NoReturn:
     raise ValueError(f"EngineConfig.{field}={value!r} is invalid: expected {allowed}")
-
-
-def _is_power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 @dataclass
@@ -127,74 +120,21 @@ class EngineConfig:
             _fail("dtype", self.dtype, f"one of {MODEL_DTYPES}")
         if self.weights not in WEIGHT_FORMATS:
             _fail("weights", self.weights, f"one of {WEIGHT_FORMATS}")
-        if self.kv_dtype not in KV_DTYPES:
-            _fail("kv_dtype", self.kv_dtype, f"one of {KV_DTYPES}")
-        if self.kv_rotation not in KV_ROTATIONS:
-            _fail("kv_rotation", self.kv_rotation, f"one of {KV_ROTATIONS}")
-        if not _is_int(self.kv_anchor_tokens) \
-                or not 0 <= self.kv_anchor_tokens <= MAX_KV_ANCHOR_TOKENS:
-            _fail("kv_anchor_tokens", self.kv_anchor_tokens,
-                  f"a whole number from 0 (off) to {MAX_KV_ANCHOR_TOKENS}")
-        if not _is_int(self.block_size) or not _is_power_of_two(self.block_size) \
-                or self.block_size > 256:
-            _fail("block_size", self.block_size, "a power of two from 1 to 256")
-        if not _is_int(self.kv_cache_bytes) or self.kv_cache_bytes <= 0:
-            _fail("kv_cache_bytes", self.kv_cache_bytes, "a positive number of bytes")
+        for name in RULES:  # what a running engine may change: ipc.settings' rules
+            check_setting("EngineConfig", name, getattr(self, name))
+        for name in FLOAT_SETTINGS:
+            setattr(self, name, float(getattr(self, name)))  # the wire's type (EngineSettings)
         if self.num_kv_blocks is not None and (not _is_int(self.num_kv_blocks)
                                                or self.num_kv_blocks < 1):
             _fail("num_kv_blocks", self.num_kv_blocks, "None or an integer >= 1")
-        if not _is_int(self.max_num_seqs) or self.max_num_seqs < 1:
-            _fail("max_num_seqs", self.max_num_seqs, "an integer >= 1")
-        if not _is_int(self.max_num_batched_tokens) or self.max_num_batched_tokens < 1:
-            _fail("max_num_batched_tokens", self.max_num_batched_tokens, "an integer >= 1")
         if self.max_model_len is not None and (not _is_int(self.max_model_len)
                                                or self.max_model_len < 2):
             _fail("max_model_len", self.max_model_len, "None or an integer >= 2")
-        if not isinstance(self.enable_prefix_caching, bool):
-            _fail("enable_prefix_caching", self.enable_prefix_caching, "True or False")
         if not _is_int(self.seed):
             _fail("seed", self.seed, "an integer")
-        self._validate_scheduling()
-        self._validate_speculative()
-
-    def _validate_speculative(self) -> None:
-        if self.speculative_method not in SPECULATIVE_METHODS:
-            _fail("speculative_method", self.speculative_method,
-                  f"one of {SPECULATIVE_METHODS}")
-        k = self.num_speculative_tokens
-        if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-            _fail("num_speculative_tokens", k, f"an integer from 1 to {MAX_SPECULATIVE_TOKENS}")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-        if not _is_int(lo) or lo < 1:
-            _fail("prompt_lookup_min", lo, "an integer >= 1")
-        if not _is_int(hi) or hi < lo:
+        if hi < lo:
             _fail("prompt_lookup_max", hi, f"an integer >= prompt_lookup_min ({lo})")
-
-    def _validate_scheduling(self) -> None:
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            _fail("scheduling_policy", self.scheduling_policy, f"one of {SCHEDULING_POLICIES}")
-        aging = self.priority_aging_s
-        if isinstance(aging, bool) or not isinstance(aging, (int, float)) \
-                or not 0 <= aging < float("inf"):
-            _fail("priority_aging_s", aging, "a number of seconds >= 0 (0 = no aging)")
-        self.priority_aging_s = float(aging)  # the wire's type (EngineSettings)
-        cap = self.max_prefill_tokens_while_decoding
-        if not _is_int(cap) or cap < 0:
-            _fail("max_prefill_tokens_while_decoding", cap, "an integer >= 0 (0 = no cap)")
-        lower = self.priority_lower_tokens
-        if not _is_int(lower) or lower < 0:
-            _fail("priority_lower_tokens", lower, "an integer >= 0 (0 = off)")
-        hold = self.priority_hold_s
-        if isinstance(hold, bool) or not isinstance(hold, (int, float)) \
-                or not 0 <= hold < float("inf"):
-            _fail("priority_hold_s", hold, "a number of seconds >= 0")
-        self.priority_hold_s = float(hold)  # the wire's type (EngineSettings)
-        stretch = self.priority_step_stretch
-        if isinstance(stretch, bool) or not isinstance(stretch, (int, float)) \
-                or not 1 <= stretch < float("inf"):
-            _fail("priority_step_stretch", stretch,
-                  "a number >= 1 (1 = the lower tokens only)")
-        self.priority_step_stretch = float(stretch)
 
     def to_dict(self) -> dict[str, str | int | bool | None]:
         return asdict(self)
@@ -256,7 +196,10 @@ def resolve_kv_dtype(kv_dtype: str, model_dtype: str, device: str,
     return dtype
 
 
-ROTATED_BY_DEFAULT = ("int8", "fp8")
+# "auto" rotation: "calibrated" for the 1-byte dtypes, where it halves int8's KL from float32
+# again after the rotation's 4.4x (fp8: 1.9x in all; benchmarks/kv_accuracy.py,
+# docs/kv-dtypes.md), "none" for the float ones, where nothing is lost to begin with.
+ROTATED_BY_DEFAULT = ONE_BYTE_KV_DTYPES
 
 
 def resolve_kv_rotation(kv_rotation: str, kv_dtype_name: str) -> str:

@@ -11,11 +11,12 @@ from kvscope.engine.loading.loader import LoadedModel
 from kvscope.engine.outputs import RequestOutput
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.ipc.messages import EngineStats
+from kvscope.ipc.prompts import ChatPrompt, PromptInput, TextPrompt, TokenPrompt, as_prompt
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-Prompt = str | list[int]
+Prompt = PromptInput | str | list[int]  # typed (ipc.prompts), or text or token ids
 Messages = list[dict[str, str]]  # one conversation: [{"role": ..., "content": ...}, ...]
 
 
@@ -39,7 +40,7 @@ class LLM:
                  ) -> list[RequestOutput]:
         """One output per prompt, in order. Every prompt is checked before any is queued,
         so a bad one raises without leaving the others half-run."""
-        prompt_list = _prompt_list(prompts)
+        prompt_list = [as_prompt(p) for p in _prompt_list(prompts)]
         params_list = _broadcast(params, len(prompt_list))
         for prompt, p in zip(prompt_list, params_list, strict=True):
             p.validate()
@@ -67,8 +68,8 @@ class LLM:
 
 
 def _prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
-    """One prompt (text, or token ids) or a sequence of them, as a list of prompts."""
-    if isinstance(prompts, str):
+    """One prompt (typed, text, or token ids) or a sequence of them, as a list of prompts."""
+    if isinstance(prompts, (str, TextPrompt, ChatPrompt, TokenPrompt)):
         return [prompts]
     items = list(prompts)
     ids = [t for t in items if isinstance(t, int)]

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
+from kvscope.engine.chat_template import chat_prompt_ids
 from kvscope.engine.config import (
     EngineConfig,
     resolve_device,
@@ -43,16 +44,13 @@ from kvscope.engine.outputs import RequestOutput, StepResult, TokenDelta
 from kvscope.engine.sampler import make_generator, sample
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.scheduling.roll_back import roll_back
-from kvscope.engine.scheduling.scheduler import (
-    SCHEDULING_SETTINGS,
-    ScheduledSeq,
-    Scheduler,
-    scheduler_for,
-)
+from kvscope.engine.scheduling.scheduler import ScheduledSeq, Scheduler, scheduler_for
 from kvscope.engine.scheduling.step_cost import StepShape, step_shape
 from kvscope.engine.sequence import Sequence
-from kvscope.engine.spec_decode.decoder import SPEC_SETTINGS, SpecDecoder
+from kvscope.engine.spec_decode.decoder import SpecDecoder
 from kvscope.ipc.messages import EngineStats
+from kvscope.ipc.prompts import ChatPrompt, PromptInput, TextPrompt, as_prompt
+from kvscope.ipc.settings import SettingsChange
 from kvscope.kernels.k_balance import KBalanceLayer
 from kvscope.kernels.rotation import matrix_name
 from kvscope.kvmath.windows import uniform_window
@@ -60,14 +58,6 @@ from kvscope.kvmath.windows import uniform_window
 
 def kv_dtype_name(dtype: torch.dtype) -> str:
     return "fp8" if dtype == torch.float8_e4m3fn else str(dtype).removeprefix("torch.")
-
-
-RECONFIGURABLE = frozenset({"block_size", "kv_dtype", "kv_rotation", "kv_anchor_tokens",
-                            "kv_cache_bytes", "num_kv_blocks", "max_num_seqs",
-                            "max_num_batched_tokens", "enable_prefix_caching",
-                            *SCHEDULING_SETTINGS, *SPEC_SETTINGS})
-# Applied in place: the pool, its prefix cache and the queues stay.
-IN_PLACE_SETTINGS = SCHEDULING_SETTINGS | SPEC_SETTINGS
 
 
 class StepRecorder(Protocol):
@@ -175,21 +165,26 @@ class LLMEngine:
         return self._k_balance_layers
 
     # -- reconfigure -----------------------------------------------------------------------
-    # Any: each value's type is its field's (the wire's changes are dict[str, Scalar]), which
-    # replace() checks at run time through EngineConfig.validate.
-    def reconfigure(self, **changes: Any) -> EngineConfig:
-        """Rebuild the KV pool under new settings while requests are in flight.
+    def reconfigure(self, change: SettingsChange | None = None, /,
+                    **options: object) -> EngineConfig:
+        """Apply a SettingsChange (ipc.settings) while requests are in flight; keyword
+        options (`reconfigure(kv_dtype="int8")`, the scripts' and tests' shorthand) become one
+        first, refused with ValueError when a name or value is bad.
 
-        Running requests are preempted (recompute) onto the new pool, in their order, so no
-        request is lost and their streams simply continue. An invalid or impossible setting
-        raises ValueError and the old configuration stays in force.
+        Scheduling and speculative settings apply in place. Any other rebuilds the KV pool:
+        running requests are preempted (recompute) onto the new pool, in their order, so no
+        request is lost and their streams simply continue. A setting the whole configuration
+        or the device refuses raises ValueError and the old configuration stays in force.
         """
-        unknown = set(changes) - RECONFIGURABLE
-        if unknown:
-            raise ValueError(f"cannot reconfigure {sorted(unknown)} at run time: "
-                             f"allowed are {sorted(RECONFIGURABLE)}")
-        new = replace(self.config, **changes)  # validates
-        if changes and set(changes) <= IN_PLACE_SETTINGS:  # the pool and queues stay as they are
+        if change is not None and options:
+            raise ValueError("give a SettingsChange or keyword options, not both")
+        if change is None:
+            change = SettingsChange.from_options(options)
+        # Any: the values are the fields' own types, checked by SettingsChange already and
+        # by EngineConfig.validate again (the cross-field rules) inside replace().
+        fields: dict[str, Any] = change.config_fields()
+        new = replace(self.config, **fields)
+        if change.in_place:  # the pool and queues stay as they are
             self.config = new
             self.scheduler.configure_from(new)
             self.spec.configure(new)
@@ -239,9 +234,10 @@ class LLMEngine:
                              f"{old / mib:.0f} MiB included); keeping the old one")
 
     # -- requests --------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue a request; bad input raises ValueError and leaves the engine untouched."""
+    def add_request(self, prompt: PromptInput | str | list[int],
+                    params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue a request: a typed prompt (ipc.prompts), or text or token ids (made one
+        here). Bad input raises ValueError and leaves the engine untouched."""
         params = params or SamplingParams()
         params.validate()
         token_ids = self.tokenize(prompt)
@@ -259,21 +255,25 @@ class LLMEngine:
             self.trace.on_arrival(seq)
         return request_id
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty: give at least one character or token")
+    def tokenize(self, prompt: PromptInput | str | list[int]) -> list[int]:
+        """The prompt's token ids. Its shape was checked where it was built (ipc.prompts);
+        what only the model can tell is checked here: the vocabulary, the chat template."""
+        prompt = as_prompt(prompt)
+        if isinstance(prompt, TextPrompt):
             # transformers' encode reaches mypy as Any; it returns the ids as a list of ints
-            ids: list[int] = self.tokenizer.encode(prompt, add_special_tokens=False)
+            ids: list[int] = self.tokenizer.encode(prompt.text, add_special_tokens=False)
             return ids
+        if isinstance(prompt, ChatPrompt):
+            try:
+                return chat_prompt_ids(self.tokenizer, [{"role": x.role, "content": x.content}
+                                                        for x in prompt.messages])
+            except Exception as exc:  # noqa: BLE001 - template errors are the caller's input
+                raise ValueError(f"chat template failed: {exc}") from None
         vocab = self.model.shape.vocab_size
-        if not isinstance(prompt, (list, tuple)) or not prompt:
-            raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
-        bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool)
-               or not 0 <= t < vocab]
+        bad = [t for t in prompt.token_ids if t >= vocab]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        return list(prompt)
+        return list(prompt.token_ids)
 
     def check_prompt_fits(self, token_ids: list[int]) -> None:
         n = len(token_ids)

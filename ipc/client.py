@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeAlias, TypedDict, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeAlias, TypeVar, cast
 
 import msgspec
 import zmq
@@ -38,6 +38,8 @@ from kvscope.ipc import messages as m
 from kvscope.ipc.curve import secure_client_socket
 from kvscope.ipc.endpoints import is_ipv6, state_endpoint_for
 from kvscope.ipc.keys import ClientKeys
+from kvscope.ipc.prompts import ChatPrompt, PromptInput, TextPrompt, TokenPrompt
+from kvscope.ipc.settings import SettingsChange
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance  # "any dataclass instance": engine.SamplingParams
@@ -73,8 +75,9 @@ class Completion:
     last: m.Delta | None = None  # carries the final timings
 
 
-# What submit() takes: text, chat messages ({"role", "content"} dicts) or token ids.
-Prompt = str | Iterable[int] | Iterable[dict[str, str]]
+# What submit() takes: a typed prompt (ipc.prompts), text, chat messages ({"role", "content"}
+# dicts) or token ids.
+Prompt = PromptInput | str | Iterable[int] | Iterable[dict[str, str]]
 # And its sampling: ipc.messages.Sampling, a map of its fields or a dataclass with them.
 SamplingArg: TypeAlias = "m.Sampling | Mapping[str, object] | DataclassInstance | None"
 # What public methods hand the client thread through the outbox.
@@ -95,13 +98,6 @@ class _Stream:
     deltas: queue.SimpleQueue[m.Delta | BaseException] = field(
         default_factory=queue.SimpleQueue)
     callback: Callable[[m.Delta], None] | None = None
-
-
-class _PromptFields(TypedDict, total=False):
-    """Submit's prompt fields: exactly one of them."""
-    prompt: str
-    messages: list[m.ChatMessage]
-    token_ids: list[int]
 
 
 class EngineClient:
@@ -199,16 +195,17 @@ class EngineClient:
                request_id: str | None = None,
                on_delta: Callable[[m.Delta], None] | None = None,
                timeout: float | None = None, priority: int | None = None) -> str:
-        """prompt: text, chat messages ([{"role", "content"}, ...]) or token ids.
-        sampling: None, a dict, ipc.messages.Sampling or any dataclass with those fields
-        (engine.SamplingParams). priority: overrides sampling's (lower = sooner; counts under
+        """prompt: text, chat messages ([{"role", "content"}, ...]), token ids or an
+        ipc.prompts TextPrompt / ChatPrompt / TokenPrompt; an empty or malformed one raises
+        ValueError here, before anything is sent. sampling: None, a dict,
+        ipc.messages.Sampling or any dataclass with those fields (engine.SamplingParams).
+        priority: overrides sampling's (lower = sooner; counts under
         scheduling_policy "priority"). Deltas go to `on_delta` (called on the client thread:
         keep it short) or else are kept for `stream(request_id)`."""
         fields = _sampling(sampling)
         if priority is not None:
             fields = msgspec.structs.replace(fields, priority=priority)
-        cmd = m.Submit(id=0, sampling=fields, request_id=request_id,
-                       **_prompt_fields(prompt))
+        cmd = m.Submit.of(_typed_prompt(prompt), fields, request_id)
         opened = self._call(cmd, m.SubmitResult, timeout,
                             on_ok=lambda r: self._open_stream(r.request_id, on_delta))
         return opened.request_id
@@ -256,11 +253,18 @@ class EngineClient:
     def abort(self, request_id: str, timeout: float | None = None) -> m.AbortResult:
         return self._call(m.Abort(id=0, request_id=request_id), m.AbortResult, timeout)
 
-    def reconfigure(self, timeout: float | None = None, **options: m.Scalar
-                    ) -> m.EngineSettings:
-        """Change engine options while it runs; returns the configuration now in force.
-        A refused change raises EngineError("refused", reason) and the old one stays."""
-        result = self._call(m.Reconfigure(id=0, changes=options), m.ReconfigureResult,
+    def reconfigure(self, change: SettingsChange | None = None, *,
+                    timeout: float | None = None, **options: object) -> m.EngineSettings:
+        """Change engine settings while it runs: an ipc.settings.SettingsChange, or its
+        fields as keywords (`reconfigure(block_size=8)`), not both. Returns the configuration
+        now in force. An unknown name or a bad value raises ValueError naming it before
+        anything is sent; a change the engine cannot make raises EngineError("refused",
+        reason), and the old configuration stays."""
+        if change is not None and options:
+            raise ValueError("give a SettingsChange or keyword options, not both")
+        if change is None:
+            change = SettingsChange.from_options(options)
+        result = self._call(m.Reconfigure(id=0, changes=change), m.ReconfigureResult,
                             timeout)
         return result.config
 
@@ -567,20 +571,23 @@ class EngineClient:
                 stream.deltas.put(exc)
 
 
-def _prompt_fields(prompt: Prompt) -> _PromptFields:
+def _typed_prompt(prompt: Prompt) -> PromptInput:
+    """submit()'s prompt as ipc.prompts builds and checks it (ValueError when it is bad)."""
+    if isinstance(prompt, (TextPrompt, ChatPrompt, TokenPrompt)):
+        return prompt
     if isinstance(prompt, str):
-        return {"prompt": prompt}
+        return TextPrompt(prompt)
     items: list[object] = list(prompt)
     if items and all(isinstance(x, dict) for x in items):
         chat = cast("list[dict[str, Any]]", items)  # every item is a dict: just checked
-        return {"messages": [_chat_message(x) for x in chat]}
-    # The engine checks the ids (ints inside its vocabulary): no second check here.
-    return {"token_ids": cast("list[int]", items)}
+        return ChatPrompt([_chat_message(x) for x in chat])
+    # Ids at or past the vocabulary's end only the engine can tell.
+    return TokenPrompt(cast("list[int]", items))
 
 
 def _chat_message(message: dict[str, Any]) -> m.ChatMessage:
-    # A missing or odd role or content goes out as it is (a Struct checks nothing when built)
-    # for the engine to refuse by field name, as it refuses every other bad value.
+    # A missing or odd role or content is built as it is (a Struct checks nothing when
+    # built) for ChatPrompt to refuse by its index.
     return m.ChatMessage(message.get("role"), message.get("content"))  # type: ignore[arg-type]
 
 

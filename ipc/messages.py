@@ -16,6 +16,10 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 
+from kvscope.ipc.prompts import ChatMessage as ChatMessage
+from kvscope.ipc.prompts import PromptInput, prompt_fields, prompt_of
+from kvscope.ipc.settings import SettingsChange
+
 if TYPE_CHECKING:  # annotations only: at run time numpy is imported inside BlocksFrame.array
     import numpy.typing as npt
 
@@ -55,23 +59,33 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_de
     presence_penalty: float = 0.0  # OpenAI's; 0 = off
 
 
-class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
-    role: str
-    content: str
-
-
 class Hello(_Command, tag="hello"):
     protocol: int
     client: str = ""
 
 
 class Submit(_Command, tag="submit"):
-    """Exactly one of prompt (raw text), messages (chat template applied) or token_ids."""
+    """Exactly one of prompt (raw text), messages (chat template applied) or token_ids:
+    checked when it is built or decoded (ipc.prompts), so the engine's I/O thread answers a
+    bad one `invalid` and the engine thread never sees it."""
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     token_ids: list[int] | None = None
     sampling: Sampling = msgspec.field(default_factory=Sampling)
     request_id: str | None = None
+
+    def __post_init__(self) -> None:
+        self.typed_prompt()
+
+    def typed_prompt(self) -> PromptInput:
+        return prompt_of(self.prompt, self.messages, self.token_ids)
+
+    @classmethod
+    def of(cls, prompt: PromptInput, sampling: Sampling | None = None,
+           request_id: str | None = None, call_id: int = 0) -> Submit:
+        text, messages, token_ids = prompt_fields(prompt)
+        return cls(id=call_id, prompt=text, messages=messages, token_ids=token_ids,
+                   sampling=sampling or Sampling(), request_id=request_id)
 
 
 class Abort(_Command, tag="abort"):
@@ -79,8 +93,10 @@ class Abort(_Command, tag="abort"):
 
 
 class Reconfigure(_Command, tag="reconfigure"):
-    """Engine options by name (block_size, kv_dtype, ...); the engine checks names and values."""
-    changes: dict[str, Scalar]
+    """The settings to change (ipc.settings): an unknown name or a bad value fails decoding,
+    answered `invalid` by the engine's I/O thread; what only the engine can tell (a pool too
+    small for a running request, no memory) it answers `refused`."""
+    changes: SettingsChange
 
 
 class Snapshot(_Command, tag="snapshot"):

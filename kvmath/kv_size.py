@@ -6,12 +6,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvscope.kvmath.kv_dtypes import ONE_BYTE_KV_DTYPES, STORED_KV_DTYPES
 from kvscope.kvmath.windows import layer_windows, window_summary
 
-KV_DTYPES = ("float32", "float16", "bfloat16", "int8", "fp8")  # canonical names, aliases below
+KV_DTYPES = STORED_KV_DTYPES  # canonical names (kv_dtypes.py), aliases below
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
                "int8": 1, "fp8": 1}
-QUANTIZED = {"int8", "fp8"}
+QUANTIZED = frozenset(ONE_BYTE_KV_DTYPES)
 SCALE_BYTES = 4  # one float32 scale per (token, kv_head) for int8/fp8
 
 

@@ -18,33 +18,39 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from kvscope.app.controls.spec_control import KEYS as SPEC_KEYS
 from kvscope.app.controls.spec_control import SpecControl
 from kvscope.app.kv_grid.panel import KVGridBox
 from kvscope.ipc.messages import EngineSettings
 
-BLOCK_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-KV_DTYPES = ["auto", "float32", "float16", "bfloat16", "int8", "fp8"]
-KV_ROTATIONS = ["auto", "calibrated", "hadamard", "none"]
-ONE_BYTE = ("int8", "fp8")
-ROTATED_BY_DEFAULT = ("int8", "fp8")  # "auto" is "calibrated" for these (engine/config.py)
+# The names, limits and which settings rebuild the pool are the engine's own (ipc.settings,
+# kvmath.kv_dtypes): one definition, so the panel never offers what the engine refuses.
+from kvscope.ipc.settings import (
+    KV_ROTATIONS,
+    MAX_BLOCK_SIZE,
+    MAX_KV_ANCHOR_TOKENS,
+    SCHEDULING_POLICIES,
+    SettingsChange,
+)
+from kvscope.kvmath.kv_dtypes import KV_DTYPES, ONE_BYTE_KV_DTYPES
+
+BLOCK_SIZES = [2**i for i in range(MAX_BLOCK_SIZE.bit_length())]
+ONE_BYTE = ONE_BYTE_KV_DTYPES
+ROTATED_BY_DEFAULT = ONE_BYTE_KV_DTYPES  # "auto" is "calibrated" for these (engine/config.py)
 MIB = 1024 * 1024
-SCHEDULING_POLICIES = ["fcfs", "priority"]
+# The panel's knobs besides the speculative ones (what "Applied" lists, and what a restarted
+# engine is started with).
 KEYS = ("block_size", "kv_dtype", "kv_rotation", "kv_anchor_tokens", "kv_cache_bytes",
         "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "scheduling_policy")
-# Changing only these leaves the KV pool as it is (no rebuild, nothing preempted).
-NO_REBUILD = ("scheduling_policy", *SPEC_KEYS)
 SCHEDULING_TIP = (
     "fcfs: requests are scheduled in arrival order; when the KV pool runs dry the newest "
     "running request is preempted. priority: by each request's priority (lower = sooner, "
     "then arrival): a more urgent waiting request may preempt a less urgent running one. "
     "The window's chat sends -1 while its Interactive toggle is on, the load generator 0.")
 UNKNOWN = "—"  # shown until the engine's real settings arrive
-MAX_ANCHOR_TOKENS = 64  # engine/config.py MAX_KV_ANCHOR_TOKENS
 
 
 class ControlsPanel(QWidget):
-    reconfigureRequested = Signal(object)  # {option: value}, only what differs
+    reconfigureRequested = Signal(object)  # ipc.settings.SettingsChange: what differs
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -70,7 +76,7 @@ class ControlsPanel(QWidget):
         self.kv_dtype.currentTextChanged.connect(self.kv_grid.highlight)
         self.kv_rotation.currentTextChanged.connect(lambda _t: self._show_rotation_note())
         self.kv_anchors = QSpinBox()
-        self.kv_anchors.setRange(0, MAX_ANCHOR_TOKENS)
+        self.kv_anchors.setRange(0, MAX_KV_ANCHOR_TOKENS)
         self.kv_anchors.setToolTip(
             "int8/fp8 KV: keep the first N positions of each conversation's opening (the "
             "attention sink most heads look at) exact, in a small fixed table beside the pool: "
@@ -166,38 +172,49 @@ class ControlsPanel(QWidget):
             w.setEnabled(enabled and not self.busy)
         self.spec.set_enabled(enabled and not self.busy)
 
-    def values(self) -> dict:
-        return {"block_size": int(self.block_size.currentText()),
-                "kv_dtype": self.kv_dtype.currentText(),
-                "kv_rotation": self.kv_rotation.currentText(),
-                "kv_anchor_tokens": self.kv_anchors.value(),
-                "kv_cache_bytes": self.kv_budget.value() * MIB,
-                "max_num_seqs": self.max_seqs.value(),
-                "max_num_batched_tokens": self.max_batched.value(),
-                "enable_prefix_caching": self.prefix_caching.isChecked(),
-                "scheduling_policy": self.scheduling.currentText(), **self.spec.values()}
+    def values(self) -> SettingsChange:
+        """Every knob as the widgets show it. Raises ValueError naming the field when one
+        shows no valid value (no engine settings known: "—")."""
+        block = self.block_size.currentText()
+        return SettingsChange(block_size=int(block) if block.isdigit() else 0,
+                              kv_dtype=self.kv_dtype.currentText(),
+                              kv_rotation=self.kv_rotation.currentText(),
+                              kv_anchor_tokens=self.kv_anchors.value(),
+                              kv_cache_bytes=self.kv_budget.value() * MIB,
+                              max_num_seqs=self.max_seqs.value(),
+                              max_num_batched_tokens=self.max_batched.value(),
+                              enable_prefix_caching=self.prefix_caching.isChecked(),
+                              scheduling_policy=self.scheduling.currentText(),
+                              **self.spec.values())
 
-    def changes(self) -> dict:
+    def changes(self) -> SettingsChange:
         """What differs from the configuration in force (everything, before there is one)."""
         values = self.values()
         if self.config is None:
             return values
         out = {}
-        for key, value in values.items():
+        for key, value in values.changed().items():
             current = getattr(self.config, key)
             if key == "kv_cache_bytes" and round(current / MIB) == value // MIB:
                 continue  # the spin box shows whole MiB
             if current != value:
                 out[key] = value
-        return out
+        return SettingsChange(**out)
 
     def revert(self) -> None:
         if self.config is not None:
             self.show_config(self.config)
 
     def apply(self) -> None:
-        changes = self.changes()
-        if not changes:
+        try:
+            changes = self.changes()
+        except ValueError as exc:  # a knob shows no valid value: nothing goes to the engine
+            self.result.setProperty("state", "error")
+            self.result.setText(f"Not applied: {exc}")
+            self._restyle()
+            return
+        fields = changes.changed()
+        if not fields:
             self.result.setText("Nothing to apply: that is the configuration in force.")
             return
         self.busy = True
@@ -205,9 +222,9 @@ class ControlsPanel(QWidget):
         self.progress.show()
         self.result.setProperty("state", "busy")
         how = (" — the queue is reordered from the next step (the KV pool stays)…"
-               if set(changes) <= set(NO_REBUILD) else
+               if changes.in_place else
                " — rebuilding the KV pool; running requests are preempted and recomputed…")
-        self.result.setText("Applying " + _fmt(changes) + how)
+        self.result.setText("Applying " + _fmt(fields) + how)
         self.reconfigureRequested.emit(changes)
 
     # -- engine facts -----------------------------------------------------------------------

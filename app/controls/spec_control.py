@@ -6,9 +6,9 @@ from __future__ import annotations
 from PySide6.QtWidgets import QCheckBox, QHBoxLayout, QSpinBox, QWidget
 
 from kvscope.ipc.messages import EngineSettings
+from kvscope.ipc.settings import MAX_SPECULATIVE_TOKENS as MAX_K
 
 KEYS = ("speculative_method", "num_speculative_tokens")
-MAX_K = 16  # engine/config.py MAX_SPECULATIVE_TOKENS
 TIP = ("Draft up to K tokens per step from the conversation itself (the tokens that followed "
        "the last earlier occurrence of the reply's last few tokens) and verify them in one "
        "pass: faster replies when the reply repeats its input (quoting, summarising, code "

@@ -28,7 +28,6 @@ import msgspec
 import zmq
 
 import kvscope.engine as engine_pkg
-from kvscope.engine.chat_template import chat_prompt_ids
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.server import snapshots
 from kvscope.engine.server.io_thread import HEARTBEAT_S, WAKE, ClientGone, IOThread
@@ -351,29 +350,16 @@ class EngineServer:
             raise CommandError(m.OVERLOADED, f"{len(self.owners)} requests in flight, the "
                                f"limit is {self.max_pending_requests}; retry later")
         try:
-            prompt = self._prompt_of(cmd)
             params = SamplingParams(**msgspec.structs.asdict(cmd.sampling))
-            rid = self.engine.add_request(prompt, params, cmd.request_id)
+            # Its shape was checked when it was decoded or built (ipc.prompts): here only what
+            # the model can tell (vocabulary, chat template, length) can still be refused.
+            rid = self.engine.add_request(cmd.typed_prompt(), params, cmd.request_id)
         except ValueError as exc:
             raise CommandError(m.BAD_REQUEST, str(exc)) from None
         self.owners[rid] = who
         self.recent.pop(rid, None)  # a reused id is a new request
         self.counters["requests"] += 1
         return m.SubmitResult(rid, self.engine.requests[rid].num_prompt_tokens)
-
-    def _prompt_of(self, cmd: m.Submit) -> str | list[int]:
-        given = [x for x in (cmd.prompt, cmd.messages, cmd.token_ids) if x is not None]
-        if len(given) != 1:
-            raise ValueError("give exactly one of prompt, messages or token_ids")
-        if cmd.messages is None:
-            return given[0]
-        if not cmd.messages:
-            raise ValueError("messages is empty")
-        try:
-            return chat_prompt_ids(self.engine.tokenizer,
-                                   [msgspec.structs.asdict(x) for x in cmd.messages])
-        except Exception as exc:  # noqa: BLE001 - template errors are the caller's input
-            raise ValueError(f"chat template failed: {exc}") from None
 
     def _cmd_abort(self, who, cmd: m.Abort) -> m.AbortResult:
         rid = cmd.request_id
@@ -387,8 +373,9 @@ class EngineServer:
         return m.AbortResult(True, "abort")
 
     def _cmd_reconfigure(self, who, cmd: m.Reconfigure) -> m.ReconfigureResult:
+        # cmd.changes' names and values were checked when it was decoded (ipc.settings).
         try:
-            self.engine.reconfigure(**cmd.changes)
+            self.engine.reconfigure(cmd.changes)
         except (ValueError, TypeError) as exc:
             raise CommandError(m.REFUSED, str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory: the old pool is back

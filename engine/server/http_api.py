@@ -31,6 +31,8 @@ from kvscope.engine.server.http_bridge import (
     EngineUnavailable,
 )
 from kvscope.engine.server.http_metrics import CountRequests, metrics_route, request_counter
+from kvscope.ipc.messages import Sampling
+from kvscope.ipc.prompts import ChatPrompt, PromptInput
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -94,13 +96,14 @@ class OpenAIApi:
                                    f"{s.model_name!r}", "model", "model_not_found")
         return s.model_name
 
-    async def submit(self, request_id: str, sampling, **prompt) -> EngineStream:
+    async def submit(self, request_id: str, sampling: Sampling,
+                     prompt: PromptInput) -> EngineStream:
         try:
-            return await self.bridge.submit(request_id=request_id, sampling=sampling, **prompt)
+            return await self.bridge.submit(prompt, sampling, request_id)
         except EngineUnavailable as exc:
             raise unavailable(str(exc)) from None
         except EngineRefused as exc:
-            param = "messages" if "messages" in prompt else "prompt"
+            param = "messages" if isinstance(prompt, ChatPrompt) else "prompt"
             raise oa.ApiError(exc.status, exc.message, param if exc.status == 400 else None,
                               exc.code) from None
 
@@ -124,9 +127,9 @@ class OpenAIApi:
         model = self.check_model(req.model)
         oa.check_unsupported(req)
         sampling = oa.sampling_of(req, self.settings.max_model_len)
-        messages = oa.chat_messages(req)
+        prompt = oa.chat_prompt(req)
         rid = "chatcmpl-" + uuid.uuid4().hex
-        stream = await self.submit(rid, sampling, messages=messages)
+        stream = await self.submit(rid, sampling, prompt)
         reply = ChatReply(rid, int(time.time()), model)
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
@@ -142,7 +145,7 @@ class OpenAIApi:
         sampling = oa.sampling_of(req, self.settings.max_model_len)
         prompt = oa.completion_prompt(req)
         rid = "cmpl-" + uuid.uuid4().hex
-        stream = await self.submit(rid, sampling, **prompt)
+        stream = await self.submit(rid, sampling, prompt)
         reply = CompletionReply(rid, int(time.time()), model)
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 
 from kvscope.ipc import codec
 from kvscope.ipc import messages as m
+from kvscope.ipc.prompts import PromptInput
 
 WATCH_S = 1.0  # how often the watchdog checks that the engine thread is still there
 _GONE = object()  # put in an inbox when the engine thread ended without answering
@@ -154,14 +155,15 @@ class EngineBridge:
     def put(self, client: HttpClient, cmd) -> None:
         self.server.enqueue(client, cmd)
 
-    async def submit(self, **fields) -> EngineStream:
-        """Queue a Submit (prompt / messages / token_ids, sampling, request_id); raises
-        EngineRefused with the engine's reason, or EngineUnavailable."""
+    async def submit(self, prompt: PromptInput, sampling: m.Sampling,
+                     request_id: str | None = None) -> EngineStream:
+        """Queue a Submit of a prompt checked already (ipc.prompts); raises EngineRefused with
+        the engine's reason, or EngineUnavailable."""
         if self.unavailable:
             raise EngineUnavailable("the engine is shutting down")
         client = HttpClient(self._loop_post())
         self.live.add(client)
-        self.put(client, m.Submit(id=self.call_id(), **fields))
+        self.put(client, m.Submit.of(prompt, sampling, request_id, self.call_id()))
         try:
             reply = await self.next_reply(client)
         except BaseException:

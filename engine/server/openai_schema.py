@@ -13,6 +13,7 @@ import msgspec
 
 from kvscope.engine.sampling_params import PRIORITY_MAX, PRIORITY_MIN
 from kvscope.ipc import messages as m
+from kvscope.ipc.prompts import ChatPrompt, TextPrompt, TokenPrompt
 
 
 class ApiError(Exception):
@@ -73,6 +74,7 @@ class ChatRequest(_Common, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
+    prompt: Any = None  # /v1/completions' field: refused here, never silently dropped
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -81,6 +83,7 @@ class CompletionRequest(_Common, kw_only=True):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    messages: Any = None  # /v1/chat/completions' field: refused here, never silently dropped
 
 
 def decode_request(body: bytes, kind: type):
@@ -162,6 +165,18 @@ def sampling_of(req: _Common, default_max_tokens: int) -> m.Sampling:
                       presence_penalty=presence, repetition_penalty=repetition)
 
 
+def chat_prompt(req: ChatRequest) -> ChatPrompt:
+    """The request's conversation as the engine's typed prompt (ipc.prompts), checked here so
+    a bad one is a 400 before the engine thread sees it."""
+    if req.prompt is not None:
+        raise _bad("prompt", "give exactly one of prompt or messages: /v1/chat/completions "
+                             "takes messages (a raw prompt goes to /v1/completions)")
+    try:
+        return ChatPrompt(chat_messages(req))
+    except ValueError as exc:
+        raise _bad("messages", str(exc)) from None
+
+
 def chat_messages(req: ChatRequest) -> list[m.ChatMessage]:
     """OpenAI messages as the engine's: content parts flattened to their text."""
     if not req.messages:
@@ -177,22 +192,26 @@ def chat_messages(req: ChatRequest) -> list[m.ChatMessage]:
     return out
 
 
-def completion_prompt(req: CompletionRequest) -> dict:
-    """{"prompt": text} or {"token_ids": ids} for Submit."""
+def completion_prompt(req: CompletionRequest) -> TextPrompt | TokenPrompt:
+    """The request's prompt (text or token ids) as the engine's typed prompt (ipc.prompts),
+    checked here so a bad one is a 400 before the engine thread sees it."""
+    if req.messages is not None:
+        raise _bad("messages", "give exactly one of prompt or messages: /v1/completions takes "
+                               "prompt (messages go to /v1/chat/completions)")
     prompt = req.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise _bad("prompt", "prompt is empty")
-        return {"prompt": prompt}
-    if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return {"token_ids": prompt}
+    try:
+        if isinstance(prompt, str):
+            return TextPrompt(prompt)
+        if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return TokenPrompt(prompt)
+    except ValueError as exc:  # empty text, a negative token id
+        raise _bad("prompt", str(exc)) from None
     if prompt and all(isinstance(p, (str, list)) for p in prompt):
         raise _bad("prompt", f"a batch of {len(prompt)} prompts is not supported: send one "
                              f"request per prompt")
     raise _bad("prompt", "prompt must be a non-empty string or a list of token ids")
-
 
 # -- responses -------------------------------------------------------------------------------
 class Usage(msgspec.Struct):

@@ -7,9 +7,10 @@ from typing import Any
 import msgspec
 
 from kvscope.ipc.trace_format import Arrival, Finish, Token, Trace
+from kvscope.kvmath.kv_dtypes import FULL_PRECISION_KV_DTYPES, ONE_BYTE_KV_DTYPES
 
 # KV dtypes that store K/V unquantised: outputs are reproducible across block sizes.
-FULL_PRECISION = ("auto", "float32", "float16", "bfloat16")
+FULL_PRECISION = FULL_PRECISION_KV_DTYPES
 
 
 def outputs_of(trace: Trace) -> dict[str, list[int]]:
@@ -45,7 +46,7 @@ def why_not_comparable(sampling: Sequence[dict[str, Any]], recorded: Trace | Non
     if any(float(s.get("temperature", 0.0)) != 0 for s in sampling):
         return "not every request used greedy sampling"
     kv = (recorded.header.kv_dtype, new.header.kv_dtype)
-    if kv_dtype not in FULL_PRECISION or "int8" in kv or "fp8" in kv:
+    if kv_dtype not in FULL_PRECISION or any(d in kv for d in ONE_BYTE_KV_DTYPES):
         return "quantised KV (int8/fp8) changes outputs"
     if recorded.header.dtype != new.header.dtype:
         return (f"the model ran in {recorded.header.dtype} when recorded and in "

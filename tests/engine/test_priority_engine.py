@@ -59,10 +59,11 @@ def test_engine_urgent_request_overtakes_a_saturated_batch(tiny):
 
 
 def test_engine_reconfigures_the_policy_in_place(tiny):
-    from kvscope.engine.llm_engine import RECONFIGURABLE, LLMEngine
+    from kvscope.engine.llm_engine import LLMEngine
+    from kvscope.ipc.settings import IN_PLACE_SETTINGS as RECONFIGURABLE_IN_PLACE
 
     assert {"scheduling_policy", "priority_aging_s",
-            "max_prefill_tokens_while_decoding"} <= RECONFIGURABLE
+            "max_prefill_tokens_while_decoding"} <= RECONFIGURABLE_IN_PLACE
     engine = LLMEngine(EngineConfig(model=tiny, block_size=8, num_kv_blocks=64,
                                     max_num_seqs=1, scheduling_policy="fcfs"))
     params = SamplingParams(max_tokens=6, ignore_eos=True)

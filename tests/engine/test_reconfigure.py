@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from kvscope.engine import LLM, EngineConfig, SamplingParams
+from kvscope.ipc.settings import SettingsChange
 from kvscope.testing.tiny_models import save_tiny_model
 from tests.engine.test_engine_tiny import random_prompts
 
@@ -69,3 +70,26 @@ def test_refused_reconfigure_keeps_the_old_pool(path):
     while engine.has_unfinished():
         engine.step()
     assert len(engine.pop_output(rid).token_ids) == 5
+
+
+def test_a_typed_change_applies_and_a_bad_value_is_refused_naming_it(path):
+    llm = LLM(EngineConfig(model=str(path), block_size=8, num_kv_blocks=64,
+                           kv_cache_bytes=2**20))
+    engine = llm.engine
+    pool = engine.pool
+    engine.reconfigure(SettingsChange(scheduling_policy="fcfs", num_speculative_tokens=3))
+    assert engine.pool is pool  # in place: the pool, its cache and the queues stay
+    assert (engine.config.scheduling_policy, engine.scheduler.policy) == ("fcfs", "fcfs")
+    for options, words in [({"max_num_seqs": 0}, "SettingsChange.max_num_seqs=0 is invalid"),
+                           ({"kv_dtype": "float8"}, "SettingsChange.kv_dtype='float8'"),
+                           ({"block_size": "8"}, "SettingsChange.block_size='8'"),
+                           ({"device": "cpu"}, "cannot reconfigure ['device']")]:
+        with pytest.raises(ValueError) as err:
+            engine.reconfigure(**options)
+        assert words in str(err.value)
+    with pytest.raises(ValueError, match="not both"):
+        engine.reconfigure(SettingsChange(block_size=4), block_size=4)
+    assert engine.pool is pool and engine.config.max_num_seqs == 64
+    engine.reconfigure(SettingsChange(block_size=4, num_kv_blocks=0))  # 0: size from budget
+    assert engine.config.num_kv_blocks is None and engine.pool is not pool
+    assert llm.stats().num_kv_blocks == 2**20 // (4 * llm.stats().kv_bytes_per_token)

@@ -20,7 +20,9 @@ from kvscope.engine.sequence import Sequence
 from kvscope.engine.server.snapshots import blocks_frame
 from kvscope.ipc import EngineClient, codec, endpoints
 from kvscope.ipc import messages as m
-from kvscope.ipc.client import _prompt_fields, _sampling
+from kvscope.ipc.client import _sampling, _typed_prompt
+from kvscope.ipc.prompts import ChatPrompt, TextPrompt, TokenPrompt
+from kvscope.ipc.settings import SettingsChange
 from kvscope.testing.frames import engine_settings, stats_frame
 
 
@@ -30,8 +32,8 @@ from kvscope.testing.frames import engine_settings, stats_frame
     m.Submit(id=3, messages=[m.ChatMessage("user", "hi")]),
     m.Submit(id=4, token_ids=[1, 2], request_id="mine"),
     m.Abort(id=5, request_id="req-1"),
-    m.Reconfigure(id=6, changes={"block_size": 32, "kv_dtype": "float16",
-                                 "num_kv_blocks": None, "enable_prefix_caching": False}),
+    m.Reconfigure(id=6, changes=SettingsChange(block_size=32, kv_dtype="float16",
+                                               num_kv_blocks=0, enable_prefix_caching=False)),
     m.Snapshot(id=7), m.Shutdown(id=2**63 - 1)])
 def test_commands_round_trip(cmd):
     assert codec.decode_command(codec.encode(cmd)) == cmd
@@ -51,6 +53,22 @@ def test_commands_round_trip(cmd):
     (msgspec.msgpack.encode({"type": "snapshot", "id": -1}), "invalid", None),
     (msgspec.msgpack.encode({"type": "submit", "id": 9, "prompt": "x",
                              "sampling": {"max_token": 3}}), "invalid", 9),
+    # the prompt's shape (ipc.prompts): exactly one of prompt, messages, token_ids, not empty
+    (msgspec.msgpack.encode({"type": "submit", "id": 10, "prompt": "x",
+                             "token_ids": [1]}), "invalid", 10),
+    (msgspec.msgpack.encode({"type": "submit", "id": 11}), "invalid", 11),
+    (msgspec.msgpack.encode({"type": "submit", "id": 12, "messages": []}), "invalid", 12),
+    (msgspec.msgpack.encode({"type": "submit", "id": 13, "token_ids": [1, -2]}), "invalid",
+     13),
+    # a settings change (ipc.settings): known names, values in range
+    (msgspec.msgpack.encode({"type": "reconfigure", "id": 14, "changes": {"model": "x"}}),
+     "invalid", 14),
+    (msgspec.msgpack.encode({"type": "reconfigure", "id": 15, "changes": {"block_size": 3}}),
+     "invalid", 15),
+    (msgspec.msgpack.encode({"type": "reconfigure", "id": 16,
+                             "changes": {"kv_dtype": "float8"}}), "invalid", 16),
+    (msgspec.msgpack.encode({"type": "reconfigure", "id": 17,
+                             "changes": {"max_num_seqs": True}}), "invalid", 17),
 ])
 def test_bad_frames_become_typed_errors(payload, code, call_id):
     with pytest.raises(codec.BadMessage) as err:
@@ -83,10 +101,12 @@ def test_endpoints():
 
 
 def test_client_argument_forms():
-    assert _prompt_fields("hi") == {"prompt": "hi"}
-    assert _prompt_fields((1, 2)) == {"token_ids": [1, 2]}
-    assert _prompt_fields([{"role": "user", "content": "x"}]) == \
-        {"messages": [m.ChatMessage("user", "x")]}
+    assert _typed_prompt("hi") == TextPrompt("hi")
+    assert _typed_prompt((1, 2)) == TokenPrompt([1, 2])
+    assert _typed_prompt([{"role": "user", "content": "x"}]) == \
+        ChatPrompt([m.ChatMessage("user", "x")])
+    with pytest.raises(ValueError, match=r"messages\[0\]"):
+        _typed_prompt([{"role": "user"}])  # no content: refused before anything is sent
     assert _sampling(SamplingParams(max_tokens=7, stop=["a"])) == \
         m.Sampling(max_tokens=7, stop=["a"])
     assert _sampling({"temperature": 1}) == m.Sampling(temperature=1.0)

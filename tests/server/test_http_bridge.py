@@ -86,6 +86,28 @@ def test_submit_carries_the_openai_fields_to_the_engine():
                                       ignore_eos=True)
 
 
+@pytest.mark.parametrize("path, body, param, words", [
+    ("/v1/completions", {"prompt": "x", "messages": CHAT["messages"]}, "messages",
+     "exactly one of prompt or messages"),
+    ("/v1/chat/completions", {**CHAT, "prompt": "x"}, "prompt",
+     "exactly one of prompt or messages"),
+    ("/v1/completions", {"prompt": ""}, "prompt", "prompt is empty"),
+    ("/v1/completions", {"prompt": [5, -1]}, "prompt", "token_ids[1]=-1 is invalid"),
+    ("/v1/chat/completions", {"messages": []}, "messages", "messages is empty"),
+])
+def test_a_bad_prompt_is_a_400_before_the_engine_sees_it(path, body, param, words):
+    """The typed prompt (ipc.prompts) is built in the handler: a bad one is OpenAI's 400
+    naming the param, and no Submit reaches the engine server's queue."""
+    server = StandInServer()
+    threading.Timer(1.0, server.done.set).start()  # a Submit that got through: 503, no hang
+    r = call(server, "POST", path, {"model": "m", "max_tokens": 2, **body})
+    err = r.json()["error"]
+    assert r.status_code == 400 and (err["param"], err["type"]) == (param,
+                                                                     "invalid_request_error")
+    assert words in err["message"], err
+    assert server.commands.empty()  # nothing reached the engine
+
+
 def test_the_api_socket_accepts_connections_before_uvicorn_runs():
     import socket
 

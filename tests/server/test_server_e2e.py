@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from kvscope.engine import LLM, EngineConfig, SamplingParams
-from kvscope.ipc import EngineClient, EngineDead, EngineError
+from kvscope.ipc import EngineClient, EngineDead, EngineError, codec
 from kvscope.ipc import messages as m
 from tests.support.server_harness import Server, save_chat_model
 
@@ -94,18 +94,59 @@ def test_text_and_token_prompts_match(client, reference):
 
 
 def test_bad_input_gets_typed_errors(client):
-    cases = [lambda: client.submit("", {}), lambda: client.submit([1, 2], {"temperature": -1}),
+    cases = [lambda: client.submit([1, 2], {"temperature": -1}),
              lambda: client.submit([10**9], {}), lambda: client.abort("no-such-request"),
-             lambda: client.reconfigure(block_size=3), lambda: client.reconfigure(model="x")]
+             lambda: client.reconfigure(prompt_lookup_max=1)]  # under prompt_lookup_min (2)
     codes = []
     for case in cases:
         with pytest.raises(EngineError) as err:
             case()
         codes.append(err.value.code)
-    assert codes == ["bad_request"] * 3 + ["unknown_request"] + ["refused"] * 2
+    assert codes == ["bad_request"] * 2 + ["unknown_request"] + ["refused"]
+    # What the client can tell itself it refuses before sending (ipc.prompts, ipc.settings).
+    for case, words in [(lambda: client.submit("", {}), "prompt is empty"),
+                        (lambda: client.reconfigure(block_size=3), "block_size=3"),
+                        (lambda: client.reconfigure(model="x"), "cannot reconfigure")]:
+        with pytest.raises(ValueError, match=words):
+            case()
     with pytest.raises(ValueError, match="exceeds"):
         client.submit("x" * (9 * 2**20))
     assert client.hello().config.block_size == 8  # refusals kept the old configuration
+
+
+@pytest.mark.parametrize("frame, words", [
+    ({"type": "submit", "id": 41, "prompt": "hi", "token_ids": [1, 2]},
+     "exactly one of prompt, messages or token_ids (got prompt and token_ids)"),
+    ({"type": "submit", "id": 42, "prompt": "hi", "messages": [{"role": "user",
+                                                               "content": "hi"}]},
+     "got prompt and messages"),
+    ({"type": "submit", "id": 43, "messages": []}, "messages is empty"),
+    ({"type": "reconfigure", "id": 44, "changes": {"model": "x"}}, "unknown field `model`"),
+    ({"type": "reconfigure", "id": 45, "changes": {"block_size": 3}},
+     "SettingsChange.block_size=3 is invalid"),
+    ({"type": "reconfigure", "id": 46, "changes": {"kv_dtype": "float8"}},
+     "SettingsChange.kv_dtype='float8' is invalid"),
+])
+def test_the_wire_refuses_a_bad_prompt_or_setting_before_the_engine_sees_it(client, server,
+                                                                            frame, words):
+    """A client that skips EngineClient's checks gets a typed `invalid` reply naming what was
+    wrong from the I/O thread; the engine thread never sees the command, and keeps serving."""
+    before = client.snapshot().stats.server
+    with zmq.Context() as ctx:
+        raw = ctx.socket(zmq.DEALER)
+        raw.connect(server.command)
+        raw.send(msgspec.msgpack.encode(frame))
+        assert raw.poll(10_000)
+        reply = codec.decode_reply(raw.recv())
+        raw.close(linger=0)
+    assert isinstance(reply, m.Error) and (reply.id, reply.code) == (frame["id"], m.INVALID)
+    assert words in reply.message, reply.message
+    after = client.snapshot().stats.server
+    assert after.bad_frames == before.bad_frames + 1
+    assert (after.requests, after.errors) == (before.requests, before.errors)  # never queued
+    assert client.hello().config.block_size == 8
+    out = client.generate([5, 6, 7], {"max_tokens": 3, "ignore_eos": True}, timeout=60)
+    assert out.finish_reason == "length"
 
 
 def test_abort_mid_stream(client):
