@@ -32,17 +32,17 @@ DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
 # Anchor tokens (engine/kv_cache/anchors.py): a 1-byte pool keeps the first N positions of each
 # opening exact in a small fixed table beside it (no bytes per token); 0 turns them off.
 # 4 by default: on the embedded model int8's mean KL from float32 KV falls 40 %
-# (benchmarks/kv_accuracy.py, docs/kv-dtypes.md). Float pools ignore it.
+# (engine/measure/kv_accuracy.py, docs/kv-dtypes.md). Float pools ignore it.
 DEFAULT_KV_ANCHOR_TOKENS = 4
 # Scheduling (engine/scheduling/scheduler.py). "priority" by default: with every request at the
 # default priority 0 it schedules exactly as "fcfs" does
 # (tests/engine/scheduling/test_priority_properties.py checks it step for step), so it costs nothing
 # until a client sets a priority, and the window's chat (priority -1) then overtakes background work
 # out of the box.
-# Aging: a request's effective priority improves by 1 per this many seconds since it arrived,
-# so a stream of urgent work cannot starve the rest; 0 = off. 60 s, measured
-# (benchmarks/priority_latency.py, README): at 10 s, background requests queued more than 10 s
-# on a saturated 2-core box outranked each new chat, whose TTFT p99 went to 21 s; at 60 s the
+# Aging: a request's effective priority improves by 1 per this many seconds since it arrived, so a
+# stream of urgent work cannot starve the rest; 0 = off. 60 s, measured
+# (benchmarks/serving/priority_latency.py, README): at 10 s, background requests queued more than
+# 10 s on a saturated 2-core box outranked each new chat, whose TTFT p99 went to 21 s; at 60 s the
 # chat stays ahead of anything that has waited under a minute.
 DEFAULT_PRIORITY_AGING_S = 60.0
 # While decodes run, a step carries at most this many prefill tokens (at least a block's
@@ -54,11 +54,11 @@ DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING = 32
 # Protected steps (engine/scheduling/scheduler.py, docs/scheduling.md): while a request of higher
 # priority is live, or left less than priority_hold_s ago, a step carries at most
 # priority_lower_tokens tokens of less urgent work (round-robin); 0 = off. 8 by default, measured
-# beside 16 background streams over the OpenAI API (benchmarks/priority_latency.py, 60 s phases,
-# 2026-12-06): the chat's TTFT p99 243 -> 74 ms and ITL p99 139 -> 28 ms (1.66x idle), for 1-3 % of
-# the background's throughput (105.3 against 108.2 tok/s; measured in alternating windows later that
-# day, 7 %: 0.83x -> 0.76x of the background alone). It used to cost the background 0.3-0.6x, while
-# float32 KV left its prompts short of memory.
+# beside 16 background streams over the OpenAI API (benchmarks/serving/priority_latency.py, 60 s
+# phases, 2026-12-06): the chat's TTFT p99 243 -> 74 ms and ITL p99 139 -> 28 ms (1.66x idle), for
+# 1-3 % of the background's throughput (105.3 against 108.2 tok/s; measured in alternating windows
+# later that day, 7 %: 0.83x -> 0.76x of the background alone). It used to cost the background
+# 0.3-0.6x, while float32 KV left its prompts short of memory.
 DEFAULT_PRIORITY_LOWER_TOKENS = 8
 # ... and more while the step's predicted time (engine/scheduling/step_cost.py, learned from the
 # protected steps run) stays within this many times what the urgent decodes cost alone; 1 =
@@ -177,7 +177,7 @@ def resolve_kv_dtype(kv_dtype: str, model_dtype: str, device: str,
     (`weights`, as resolve_weights resolved it: int4 for the embedded Q4_1 checkpoint, the CPU
     default), which gets bfloat16: those steps already round every matmul input to bfloat16,
     and a bfloat16 KV added 0.2 % to their KL from dense float32 (5.19e-3 against 5.18e-3),
-    for half the bytes per token and 1.1-1.4x the decode speed (benchmarks/kv_default.py,
+    for half the bytes per token and 1.1-1.4x the decode speed (docs/notes/settled-experiments.md,
     docs/kv-dtypes.md, "The CPU default"). Dense weights keep float32 KV, the setting whose
     greedy output equals Hugging Face's."""
     import torch
@@ -197,7 +197,7 @@ def resolve_kv_dtype(kv_dtype: str, model_dtype: str, device: str,
 
 
 # "auto" rotation: "calibrated" for the 1-byte dtypes, where it halves int8's KL from float32
-# again after the rotation's 4.4x (fp8: 1.9x in all; benchmarks/kv_accuracy.py,
+# again after the rotation's 4.4x (fp8: 1.9x in all; engine/measure/kv_accuracy.py,
 # docs/kv-dtypes.md), "none" for the float ones, where nothing is lost to begin with.
 ROTATED_BY_DEFAULT = ONE_BYTE_KV_DTYPES
 

@@ -16,7 +16,7 @@ __all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams", "TokenDelta
 
 # How long OpenMP's idle threads spin before they sleep (libgomp's GOMP_SPINCOUNT). Its own
 # default, 300,000 rounds, made decode steps up to 20x slower whenever another process wanted
-# a core; benchmarks/omp_wait.py measures the settings (docs/threads.md).
+# a core (docs/threads.md; the benchmark that measured it: docs/notes/settled-experiments.md).
 SPIN_COUNT = "1000"
 
 

@@ -9,15 +9,14 @@ before any row attends, so the chunk's own earlier keys are there when a later t
 them.
 
 The kernel reads a sequence's cached K/V once per row, where the prefill attention reads it
-once per chunk; past a few dozen tokens of a long context the ordinary forward's fixed cost
-is the smaller one. The step fuses while its prompt tokens stay under MAX_ROWS and the keys
-they read under MAX_KEYS (benchmarks/fused_mixed.py measures both sides). On the AMX Xeon of
-2026-12-06, 16 decodes beside one chunk in a bfloat16 pool, both int4 kernel families: the
-fused step took 0.42-0.64x the ordinary forward's time up to 64 tokens over 512 keys,
-0.60-0.88x for 16-32 tokens over 2048 (32K-65K keys), 0.94-0.98x for 64 over 2048 (129K)
-and 1.12-1.43x for 32-64 over 4096 (130K-258K): the limit sits at 64K keys, below where
-the ordinary forward starts to win (it was 8K when the ordinary forward's matmuls and glue
-were slower than they are now).
+once per chunk; past a few dozen tokens of a long context the ordinary forward's fixed cost is the
+smaller one. The step fuses while its prompt tokens stay under MAX_ROWS and the keys they read under
+MAX_KEYS (docs/notes/settled-experiments.md, fused_mixed: both sides measured). On the AMX Xeon of
+2026-12-06, 16 decodes beside one chunk in a bfloat16 pool, both int4 kernel families: the fused
+step took 0.42-0.64x the ordinary forward's time up to 64 tokens over 512 keys, 0.60-0.88x for 16-32
+tokens over 2048 (32K-65K keys), 0.94-0.98x for 64 over 2048 (129K) and 1.12-1.43x for 32-64 over
+4096 (130K-258K): the limit sits at 64K keys, below where the ordinary forward starts to win (it was
+8K when the ordinary forward's matmuls and glue were slower than they are now).
 
 A speculative verify (one decode token and its drafts, AttentionMetadata.verify_seqs) counts
 against neither limit: its rows then round exactly as the plain decodes of the same positions
