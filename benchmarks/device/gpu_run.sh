@@ -5,7 +5,8 @@
 #
 # That machine has torch, triton and transformers but not msgspec, pyzmq or gguf, and no
 # network: their wheels (Python 3.12) come in .gpu/wheels. The package is staged as the wheel
-# lays it out (kvscope/engine, ...), as `make stage` does. The embedded GGUF (98 MB) is larger
+# lays it out (kvscope/engine, ...), as `make stage` does, with benchmarks/ beside it (it is not
+# installed: `python -m benchmarks.device.gpu_check` from the stage's root). The embedded GGUF (98 MB) is larger
 # than one call may carry (64 MiB), so it comes in parts, .gpu/model_a and .gpu/model_b, over
 # two calls to the same warm machine; each call keeps what it brought in /tmp/kvscope-gguf, and
 # the GGUF is used once every part is there and its sha256 matches .gpu/wheels/gguf.sha256.
@@ -22,7 +23,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     --target /tmp/site .gpu/wheels/*.whl >"$OUT/pip.log" 2>&1 || echo "pip failed (see pip.log)"
 rm -rf /tmp/kvscope-stage && mkdir -p /tmp/kvscope-stage
 cp -r kvscope /tmp/kvscope-stage/kvscope
-for d in engine kernels ipc app kvmath benchmarks; do cp -r "$d" "/tmp/kvscope-stage/kvscope/$d"; done
+for d in engine kernels ipc app kvmath; do cp -r "$d" "/tmp/kvscope-stage/kvscope/$d"; done
+cp -r benchmarks /tmp/kvscope-stage/benchmarks
 export PYTHONPATH=/tmp/kvscope-stage:/tmp/site
 
 cp .gpu/model_*/*.part* /tmp/kvscope-gguf/ 2>/dev/null
@@ -50,6 +52,6 @@ torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__
     >>"$OUT/gpu_check.log" 2>&1
 # From the staged tree: run at the checkout's root, `python -m` would import its kvscope/ folder,
 # which holds no subpackages (they are the root's folders, mapped only by an install).
-(cd /tmp/kvscope-stage && timeout "$LIMIT" python3 -m kvscope.benchmarks.device.gpu_check \
+(cd /tmp/kvscope-stage && timeout "$LIMIT" python3 -m benchmarks.device.gpu_check \
     --parts "$PARTS" --out "$OUT" --model "$MODEL" 2>&1 | grep -v -e 'it/s\]' -e '^Loading weights'
     echo "gpu_check exit: ${PIPESTATUS[0]}")
