@@ -392,7 +392,7 @@ class MainWindow(QMainWindow):
         """The Engine tab's settings (as the controls show them) as replay CLI options."""
         # engine_args_from (app.traces) reads the settings as a plain dict
         config = msgspec.structs.asdict(self.hello.config) if self.hello is not None else {}
-        values = self.controls.values() if self.controls.config is not None else {}
+        values = self.controls.values().changed() if self.controls.config is not None else {}
         return engine_args_from(values, config)
 
     def on_state(self, topic: str, frame) -> None:

@@ -201,18 +201,19 @@ def test_scheduling_choice_reconfigures_and_is_kept_on_restart(qtbot):
     panel.scheduling.setCurrentText("priority")
     with qtbot.waitSignal(panel.reconfigureRequested) as sig:
         panel.apply_button.click()
-    assert sig.args == [{"scheduling_policy": "priority"}]
+    assert [a.changed() for a in sig.args] == [{"scheduling_policy": "priority"}]
     assert "the KV pool stays" in panel.result.text()
     applied = engine_settings(scheduling_policy="priority")
     panel.show_applied(applied)
-    assert "scheduling_policy=priority" in panel.result.text() and panel.changes() == {}
+    assert "scheduling_policy=priority" in panel.result.text()
+    assert panel.changes().changed() == {}
     # A restart starts the child with it (later options win over the base ones).
     args = applied_args(applied)
     i = args.index("--scheduling-policy")
     assert args[i + 1] == "priority"
     args = applied_args(engine_settings(scheduling_policy="fcfs"))  # not the CLI's default
     assert args[args.index("--scheduling-policy") + 1] == "fcfs"
-    assert "--scheduling-policy" in engine_args_from(panel.values(), {})  # replays too
+    assert "--scheduling-policy" in engine_args_from(panel.values().changed(), {})  # replays too
     # What the engine says wins: a restarted engine under fcfs shows fcfs.
     panel.show_restarted(engine_settings(scheduling_policy="fcfs"))
     assert panel.scheduling.currentText() == "fcfs"
