@@ -20,6 +20,8 @@ from kvscope.app.controls.panel import KEYS, ControlsPanel
 from kvscope.app.device.panel import DevicePanel
 from kvscope.app.engine_process import EngineProcess
 from kvscope.app.frame_clock import FrameClock, FrameJobs
+from kvscope.app.model_menu import FileMenu
+from kvscope.app.model_switch import ModelSwitcher
 from kvscope.app.plots.batch_plots import BatchPlots
 from kvscope.app.sources.kvscope_source import KvscopeSource
 from kvscope.app.status_bar import EngineStatusBar
@@ -124,6 +126,10 @@ class MainWindow(QMainWindow):
         self._lay_out()
         self.wheel_guard = guard_wheel(self.side_tabs)  # the wheel scrolls the side panels
         self._menus()
+        # File > Open model…; settings applied to this model in an earlier session come back
+        self.models = ModelSwitcher(self)
+        self.file_menu = FileMenu(self)
+        self.restored_settings = self.models.restore_at_start()
         self.resize(*default_size(self.screen()))
         self.center_on_screen()
 
@@ -419,6 +425,7 @@ class MainWindow(QMainWindow):
 
     def on_reconfigured(self, config: EngineSettings) -> None:
         self.applied = config  # a restart starts the new child with these
+        self.models.remember_applied(config)  # and a later session on this model
         self.controls.show_applied(config)
 
     def on_engine_dead(self, reason: str) -> None:
