@@ -22,6 +22,7 @@ from kvscope.app.fmt import human_bytes
 from kvscope.app.model_file import ModelFacts, parameter_text
 from kvscope.app.model_switch import Carry, what_fits
 
+DIALOG_WIDTH = 560
 ATTACHED_NOTE = ("This window is attached to a running kvscope serve: an attached server's "
                  "model is chosen where it runs (kvscope serve --model PATH). The facts above "
                  "are for reading only.")
@@ -85,8 +86,11 @@ class OpenModelDialog(QDialog):
         layout.addLayout(form)
         layout.addWidget(self.carry_label)
         layout.addWidget(buttons)
-        self.resize(560, self.sizeHint().height())
         self.recompute()
+        self.setMinimumWidth(DIALOG_WIDTH)
+        # Height for the wrapped lines at this width (an unknown width leaves gaps).
+        self.resize(DIALOG_WIDTH, layout.heightForWidth(DIALOG_WIDTH) + 24 if
+                    layout.hasHeightForWidth() else self.sizeHint().height())
 
     def _carry_text(self) -> str:
         if self.attached:
