@@ -19,7 +19,7 @@ from kvscope.engine.scoring import mean_kl, perplexity, token_log_probs
 
 pytestmark = pytest.mark.slow
 
-TEXT = Path(__file__).resolve().parents[2] / "resources" / "perplexity_text.txt"
+TEXT = Path(__file__).resolve().parents[3] / "resources" / "perplexity_text.txt"
 
 
 def test_rotation_cuts_int8_kl_on_the_embedded_model():

@@ -60,7 +60,7 @@ def test_long_document_quotes_agree_with_int4_weights(loaded):
     rows' key limit (engine.model.fused.rows) and the attention cuts long rows into spans, the
     two places where a verify once rounded unlike a plain decode (measured: half of these
     replies differed)."""
-    text = (Path(__file__).resolve().parents[2] / "resources" / "spec_grounding.txt").read_text()
+    text = (Path(__file__).resolve().parents[3] / "resources" / "spec_grounding.txt").read_text()
     prompts = [chat(loaded.tokenizer, f"{text}\n\nCopy out the {n} paragraph of the text "
                     "above word for word.") for n in ("first", "second", "third", "fourth")]
     off, ngram = greedy_both_ways(loaded, prompts, 64, weights="int4", block_size=16)
