@@ -30,7 +30,7 @@ PYTEST_WORKERS ?= 2
 XDIST := -n $(PYTEST_WORKERS) --dist loadfile
 test: setup lint-imports typecheck
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q $(XDIST) --ignore=tests/app/xvfb
+	$(PY) -m pytest -q $(XDIST) --ignore=tests/app/xvfb $(PYTEST_ARGS)
 	# A process's QApplication keeps its platform: the real-X group runs on its own, on xcb.
 	QT_QPA_PLATFORM=xcb $(PY) -m pytest -q -rs tests/app/xvfb
 
