@@ -2,7 +2,9 @@
 
 The child prints one line `ready <command endpoint> <state endpoint>` on stdout once the model
 is loaded; its stderr (logs) is forwarded to ours and its last lines are kept for error
-messages. The app never imports the engine: it only runs it.
+messages. Until it is ready, its stderr is also read for what it is doing (the first start's
+model conversion, app.engine_progress): `progressed` carries that to the window. The app never
+imports the engine: it only runs it.
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import sys
 from pathlib import Path
 
 from PySide6.QtCore import QObject, QProcess, QProcessEnvironment, Signal
+
+from kvscope.app.engine_progress import ProgressReader
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,6 +55,7 @@ class EngineProcess(QObject):
     exited = Signal(int)  # exit code, after it had been ready
     # After it had been ready, in words: "exited with code 3" or "killed by SIGKILL".
     exitedBecause = Signal(str)
+    progressed = Signal(object)  # app.engine_progress.Progress, while it loads
 
     def __init__(self, engine_args: list[str] | None = None,
                  parent: QObject | None = None) -> None:
@@ -61,6 +66,7 @@ class EngineProcess(QObject):
         self._stdout = b""
         self._stderr = b""
         self._stopping = False
+        self.progress = ProgressReader()
         self.proc: QProcess | None = None
 
     @property
@@ -74,6 +80,7 @@ class EngineProcess(QObject):
         self.stop()
         self.endpoints, self._stdout, self._stderr, self._stopping = None, b"", b"", False
         self.stderr_tail.clear()
+        self.progress = ProgressReader()
         proc = engine_qprocess(self)
         proc.readyReadStandardOutput.connect(self._read_stdout)
         proc.readyReadStandardError.connect(self._read_stderr)
@@ -98,10 +105,18 @@ class EngineProcess(QObject):
         if self.proc is None:
             return
         data = bytes(self.proc.readAllStandardError())
-        sys.stderr.write(data.decode(errors="replace"))
+        text = data.decode(errors="replace")
+        sys.stderr.write(text)
+        if self.endpoints is None:
+            for progress in self.progress.feed(text):
+                self.progressed.emit(progress)
         self._stderr += data
         *lines, self._stderr = self._stderr.split(b"\n")
-        self.stderr_tail.extend(x.decode(errors="replace") for x in lines if x.strip())
+        # A progress bar redrawn after carriage returns: its last drawing, as a terminal shows.
+        for line in lines:
+            drawn = [p for p in line.split(b"\r") if p.strip()]
+            if drawn:
+                self.stderr_tail.append(drawn[-1].decode(errors="replace"))
 
     def _finished(self, code: int, status) -> None:
         if self._stopping:

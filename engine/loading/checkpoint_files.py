@@ -4,6 +4,10 @@ The engine only ever reads plain checkpoint folders (config.json + *.safetensors
 tokenizer files). A .gguf file is converted once through transformers and cached,
 because loading a GGUF takes ~20 s while reading the cached safetensors takes ~1 s.
 Nothing is ever fetched from a hub: the engine must work offline.
+
+A conversion says what it is doing on stderr, one "[kvscope] converting: ..." line per stage,
+beside transformers' own progress bars; the window (app.engine_progress) reads both from the
+engine child's stderr and shows the first start's progress in the status bar and the chat.
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +33,7 @@ DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 COMPLETE_MARKER = "kvscope-complete"
 _TMP_PREFIX = ".tmp-"
 STALE_TMP_SECONDS = 3600  # far longer than any conversion takes
+PROGRESS_PREFIX = "[kvscope] converting"  # app.engine_progress reads these lines
 _ALLOWED = ('"default", a checkpoint folder with config.json and *.safetensors, '
             "or a .gguf file")
 
@@ -105,13 +111,21 @@ def _checkpoint_from_gguf(gguf_path: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     _sweep_stale_tmp(root, final.name)
     tmp = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX + final.name + "-", dir=root))
+    start = time.monotonic()
+    say(f"{gguf_path.name} once (first start only: later starts read {final})")
     try:
         convert_gguf(gguf_path, tmp)
         (tmp / COMPLETE_MARKER).write_text(str(gguf_path) + "\n")
         _publish(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # no-op once renamed away
+    say(f"{gguf_path.name}: done in {time.monotonic() - start:.0f} s")
     return final
+
+
+def say(stage: str) -> None:
+    """One stage of a conversion, on stderr (stdout carries only serve's ready line)."""
+    print(f"{PROGRESS_PREFIX}: {stage}", file=sys.stderr, flush=True)
 
 
 def _sweep_stale_tmp(root: Path, name: str) -> None:
@@ -154,11 +168,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     facts = GGUFFacts(gguf_path)
     check_readable(facts)
     folder, name = str(gguf_path.parent), gguf_path.name
+    say("reading the tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
     restore_config(config, facts)
+    say("de-quantizing the weights")
     model = AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=name, config=config, dtype=torch.float32, **_dequantize_kwargs())
+    say("saving the checkpoint")
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
 
