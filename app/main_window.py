@@ -19,6 +19,7 @@ from kvscope.app.controls.load_generator import LoadGenerator, LoadGeneratorPane
 from kvscope.app.controls.panel import KEYS, ControlsPanel
 from kvscope.app.device.panel import DevicePanel
 from kvscope.app.engine_process import EngineProcess
+from kvscope.app.engine_words import in_window_words
 from kvscope.app.frame_clock import FrameClock, FrameJobs
 from kvscope.app.model_menu import FileMenu
 from kvscope.app.model_switch import ModelSwitcher
@@ -307,6 +308,7 @@ class MainWindow(QMainWindow):
             self.engine.ready.connect(self.bridge.attach)
             self.engine.failed.connect(self.on_engine_failed)
             self.engine.exitedBecause.connect(self.on_engine_dead)
+            self.engine.progressed.connect(self.on_engine_progress)
 
     def _shortcuts(self) -> None:
         for keys, slot in ((Qt.Key.Key_Escape, self.chat.stop),
@@ -435,14 +437,25 @@ class MainWindow(QMainWindow):
         self.chat.set_engine_alive(False, f"the engine is dead: {self.status.dead_reason}")
         self.kv_calculator.fits.set_device(None)  # that device's free memory is no longer known
         self.device_panel.mark_stale("engine dead")
+        # What it left on screen stays, greyed and marked old, until a new engine's first frame.
+        self.block_map.mark_stale(self.status.dead_reason)
+        self.plots.mark_stale(self.status.dead_reason)
         self.chat.fail_all(f"engine died: {reason}")
         self.load.fail_all()
         if self.controls.busy:
             self.controls.show_refused(f"engine died: {reason}")
         self.controls.show_unknown()
 
+    def on_engine_progress(self, progress) -> None:
+        """The engine child's start, as it says it goes (app.engine_progress.Progress)."""
+        if self.closed or self.hello is not None:
+            return
+        text = f"starting the engine: {progress.text}"
+        self.status.show_loading(text + "…")
+        self.chat.set_engine_loading(text)
+
     def on_engine_failed(self, message: str) -> None:
-        self.on_engine_dead(message)
+        self.on_engine_dead(in_window_words(message))
 
     def on_command_failed(self, command: str, message: str) -> None:
         self.status.showMessage(f"{command} failed: {message}", 8000)

@@ -10,6 +10,7 @@ from pathlib import Path
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import QLabel, QPushButton, QSizePolicy, QStatusBar, QWidget
 
+from kvscope.app import stale
 from kvscope.app.elided_label import ElidedLabel
 from kvscope.app.fmt import human_bytes
 from kvscope.app.spec_text import engine_spec_text
@@ -138,6 +139,7 @@ class EngineStatusBar(QStatusBar):
             f"{e.kv_dtype}{rotation_text(e)}{anchors_text(e)} · block {e.block_size} · "
             f"{human_bytes(e.kv_cache_bytes)} KV · up {stats.uptime_s:.0f} s")
         http = stats.server.http_in_flight
+        self._mark_stale(False)
         self.blocks_label.setText(f"blocks {e.num_free_blocks} free / {e.num_kv_blocks} total"
                                   + (f" · {http} via HTTP" if http else "")
                                   + engine_spec_text(e))
@@ -199,6 +201,12 @@ class EngineStatusBar(QStatusBar):
         self.engine_label.setText(text)
         self._set_state("connecting")
 
+    def show_loading(self, text: str) -> None:
+        """What the engine does while it starts (converting the model: 42 %); only while
+        connecting, so a late line never hides a live engine's facts or a death's reason."""
+        if self.state == "connecting":
+            self.engine_label.setText(text)
+
     def _set_state(self, state: str) -> None:
         label = {"connecting": "● connecting", "idle": "● idle", "busy": "● running",
                  "alive": "● alive", "dead": "● DEAD"}[state]
@@ -208,6 +216,8 @@ class EngineStatusBar(QStatusBar):
             self.state_label.style().unpolish(self.state_label)
             self.state_label.style().polish(self.state_label)
         self.restart_button.setVisible(state == "dead")
+        if state in ("dead", "connecting"):  # what the last engine said, until a new one does
+            self._mark_stale(True)
         if state == "dead":
             self.engine_label.setText(f"engine is dead: {self.dead_reason}")
         elif state == "connecting":
@@ -216,6 +226,16 @@ class EngineStatusBar(QStatusBar):
         if state != self.state:
             self.state = state
             self.stateChanged.emit(state)
+
+
+    def _mark_stale(self, old: bool) -> None:
+        """The pool, preemption and endpoint labels of an engine that is gone: greyed and
+        said to be old (old=True), or live again."""
+        for label in (self.blocks_label, self.preemptions_label, self.metrics_label):
+            stale.mark(label, old)
+            text = stale.plain(label.text()) if old else stale.live(label.text())
+            if text != label.text():
+                label.setText(text)
 
 
 def preemptions_text(by_reason: dict[str, int]) -> str:

@@ -35,7 +35,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from kvscope.app import colors
+from kvscope.app import colors, stale
 from kvscope.app.blocks.block_grid import (
     SlotCache,
     block_indices,
@@ -59,6 +59,8 @@ from kvscope.app.blocks.history import (
     live_holders,
 )
 from kvscope.app.blocks.pixel_image import PixelImage, rgb32_table
+from kvscope.app.blocks.tier_strip import tier_lines
+from kvscope.app.fit_label import grow_to_fit
 from kvscope.app.fmt import human_bytes
 from kvscope.app.request_waits import WAIT_TIPS, request_wait
 from kvscope.ipc.messages import BLOCK_CACHED, BLOCK_STATE_MASK, BLOCK_USED
@@ -68,6 +70,7 @@ SIDE_WIDTH = 220
 # Lines the totals label holds: its longest text (a 32k-block pool, KV memory with the pool's
 # byte size, requests and tokens) wraps to 11 at SIDE_WIDTH.
 TOTALS_LINES = 11
+TITLE = "KV block map"
 
 
 class BlockMap(QWidget):
@@ -84,6 +87,7 @@ class BlockMap(QWidget):
         self.selected_block = -1  # a cached block shown on its own, -1: none
         self.history = RequestHistory()
         self.hovered = -1
+        self.stale: str | None = None  # why the frame on screen is old (the engine died)
         self.bytes_per_token: int | None = None
         self.shape = (1, 1)
         self._dirty = False
@@ -113,7 +117,7 @@ class BlockMap(QWidget):
         self.plot.scene().sigMouseMoved.connect(self._on_mouse_moved)
         self.plot.scene().sigMouseClicked.connect(self._on_mouse_clicked)
 
-        self.title = QLabel("KV block map")
+        self.title = QLabel(TITLE)
         self.title.setObjectName("panelTitle")
         self.hover_label = QLabel("Hover a block for details; click one to select its request")
         self.hover_label.setObjectName("hoverLabel")
@@ -183,6 +187,18 @@ class BlockMap(QWidget):
         self.flash.observe(frame)
         self.frame = frame
         self._dirty = True
+        if self.stale is not None:  # a new engine's first frame: live again
+            self.stale = None
+            self.title.setText(TITLE)
+
+    def mark_stale(self, reason: str) -> None:
+        """The engine is gone: its last pool stays in view, dimmed, and the totals say they
+        are old, until a new engine's first frame."""
+        self.stale = reason
+        self.title.setText(f"{TITLE} {stale.NOTE}")
+        self._dirty = True
+        self.refresh()
+        self.refresh_labels()
 
     def show_stats(self, stats) -> None:
         self.bytes_per_token = stats.engine.kv_bytes_per_token
@@ -238,6 +254,8 @@ class BlockMap(QWidget):
         img = grid_image(block_indices(frame, self.selected, self._slots,
                                        self._highlight(frame)), shape)
         pixels = self._pixels[img]  # the colour table, applied
+        if self.stale is not None:  # half as bright: the pool of an engine that is gone
+            pixels = ((pixels >> 1) & 0x7F7F7F) | 0xFF000000
         self.flash.paint(pixels)
         self._flashed = bool(self.flash.blocks())
         self.image.setImage(pixels, autoLevels=False)
@@ -289,10 +307,19 @@ class BlockMap(QWidget):
         frame = self.frame
         if frame is None:
             return
-        self.totals.setText(self._totals_html(frame))
+        totals = self._totals_html(frame)
+        self.totals.setText(totals if self.stale is None else stale.rich(totals, self.stale))
         if 0 <= self.hovered < frame.num_blocks:
             self.hover_label.setText(self.describe(self.hovered))
         self._show_table(frame)
+        self._fit_labels(self.totals, self.hover_label, self.selection_label)
+
+    def _fit_labels(self, *labels: QLabel) -> None:
+        """A text longer than the lines its label was given grows the label (no cut line),
+        and the side panel's scrolled height with it."""
+        if any([grow_to_fit(label) for label in labels]):
+            side = self.side_area.widget()
+            side.setMinimumHeight(side.layout().sizeHint().height())
 
     def describe(self, block: int) -> str:
         """Hover text: describe_block plus who shares it (live) or held it (remembered)."""
@@ -418,11 +445,12 @@ class BlockMap(QWidget):
         lines.append(f"internal waste: {waste:,} slots ({waste_pct:.1f} % of used)"
                      + (f", {human_bytes(waste * self.bytes_per_token)}"
                         if self.bytes_per_token else ""))
+        lines += tier_lines(frame)  # the host and disk tiers beside the pool (issue 56)
         if frame.reserved_max_len_blocks:
             ratio = frame.reserved_max_len_blocks / max(1, frame.used)
             lines.append(f"reserving max length: {frame.reserved_max_len_blocks:,} blocks "
-                         f"({ratio:.1f}× paged); prompt+max_tokens: "
-                         f"{frame.reserved_request_blocks:,}")
+                         f"({ratio:.1f}× paged); reserving prompt+max_tokens: "
+                         f"{frame.reserved_request_blocks:,} blocks")
         return "<br>".join(lines)
 
     @staticmethod
@@ -471,6 +499,7 @@ class BlockMap(QWidget):
         if block >= 0:
             text = self.describe(block)
             self.hover_label.setText(text)
+            self._fit_labels(self.hover_label)
             self.plot.setToolTip(text)
         else:
             self.plot.setToolTip("")

@@ -3,7 +3,7 @@
 Deltas are buffered by the bridge and arrive here ~30 times a second; each batch re-renders
 only the tail of the reply in flight (app.chat.view), never the transcript above it.
 Conversations are saved by app.chat.store (one JSON Lines file each) when a store is given;
-without one (tests, the attach window) they live in memory only. Regenerate and edit discard
+without one (tests) they live in memory only. Regenerate and edit discard
 the replies after the point they restart from: the old branch is not kept.
 A message sent while the engine loads is held (shown as queued) and sent once it is ready.
 With "Interactive (priority)" on (the default) the window's own chat goes in at priority -1,
@@ -40,6 +40,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from kvscope.app import stale
 from kvscope.app.chat.conversation import (
     Conversation,
     Event,
@@ -53,6 +54,7 @@ from kvscope.app.chat.settings_form import SettingsForm
 from kvscope.app.chat.store import ChatStore
 from kvscope.app.chat.turn import HELD, SENDING, Turn
 from kvscope.app.chat.view import ConversationView
+from kvscope.app.elided_label import ElidedLabel
 
 INTERACTIVE_PRIORITY = -1  # lower = sooner (vLLM's convention); everything else sends 0
 BATCH_PRIORITY = 0
@@ -64,6 +66,7 @@ INTERACTIVE_TIP = (
 EDIT_NOTE = ("Editing message {n}: sending replaces it, and the replies after it are "
              "discarded (not kept as a branch). Esc cancels.")
 TITLE_CHARS = 40
+PLACEHOLDER = "Message the model — Enter sends, Shift+Enter newline, Esc stops"
 ALIVE, LOADING, DEAD = "alive", "loading", "dead"
 
 
@@ -167,7 +170,7 @@ class ChatPanel(QWidget):
         self.settings = SettingsForm()
         self.settings.hide()
         self.settings_button.toggled.connect(self.settings.setVisible)
-        self.context_label = QLabel("")
+        self.context_label = QLabel("")  # a row of its own: the dock's whole width
         self.context_label.setObjectName("contextMeter")
         self.context_label.setSizePolicy(QSizePolicy.Policy.Ignored,
                                          QSizePolicy.Policy.Preferred)
@@ -175,11 +178,11 @@ class ChatPanel(QWidget):
                                       "the model's context, and the KV blocks its request "
                                       "holds now (0 once it has finished)")
 
-        self.phase_label = QLabel("")
+        # A row of its own, the dock's whole width: beside the Interactive toggle it was cut
+        # to a few words. A longer line than the dock is wide ends in "…" (the whole line is
+        # its tooltip); it never widens the dock.
+        self.phase_label = ElidedLabel("")
         self.phase_label.setObjectName("phaseLabel")
-        # A long phase line must not widen the dock: it gets what the toggle leaves.
-        self.phase_label.setSizePolicy(QSizePolicy.Policy.Ignored,
-                                       QSizePolicy.Policy.Preferred)
         self.interactive = QCheckBox("Interactive")
         self.interactive.setObjectName("interactiveToggle")
         self.interactive.setChecked(True)
@@ -188,8 +191,7 @@ class ChatPanel(QWidget):
         self.edit_label.setWordWrap(True)
         self.edit_label.hide()
         self.input = ChatInput()
-        self.input.setPlaceholderText("Message the model — Enter sends, Shift+Enter newline, "
-                                      "Esc stops")
+        self.input.setPlaceholderText(PLACEHOLDER)
         self.input.setFixedHeight(70)
         self.input.sendRequested.connect(self.send)
         self.send_button = QPushButton("Send")
@@ -224,10 +226,8 @@ class ChatPanel(QWidget):
         top.addWidget(self.more_button)
         meter = QHBoxLayout()
         meter.addWidget(self.settings_button)
-        meter.addWidget(self.context_label, 1)
-        phase_row = QHBoxLayout()
-        phase_row.addWidget(self.phase_label, 1)
-        phase_row.addWidget(self.interactive)
+        meter.addWidget(self.interactive)
+        meter.addStretch(1)
         bottom = QHBoxLayout()
         bottom.addWidget(self.max_tokens)
         bottom.addWidget(self.temperature)
@@ -241,7 +241,8 @@ class ChatPanel(QWidget):
         layout.addWidget(self.splitter, 1)
         layout.addLayout(meter)
         layout.addWidget(self.settings)
-        layout.addLayout(phase_row)
+        layout.addWidget(self.context_label)
+        layout.addWidget(self.phase_label)
         layout.addWidget(self.edit_label)
         layout.addWidget(self.input)
         layout.addLayout(bottom)
@@ -630,8 +631,22 @@ class ChatPanel(QWidget):
         """The current conversation's phase line and context meter (a few times a second)."""
         view = self.conversation()
         turn = view.turn if view is not None else None
-        self.phase_label.setText("" if turn is None else f"● {turn.phase_text()}")
-        self.context_label.setText(self.context_text())
+        if turn is not None:
+            phase = f"● {turn.phase_text()}"
+        elif self._engine_state == DEAD:
+            phase = f"{stale.NOTE} {self._engine_reason}".rstrip()
+        elif self._engine_state == LOADING:
+            phase = f"● {self._engine_reason}"
+        else:
+            phase = ""
+        if phase != self.phase_label.text():
+            self.phase_label.setText(phase)
+        # A dead engine's blocks are no one's now: the meter says it is old.
+        dead = self._engine_state == DEAD
+        context = stale.plain(self.context_text()) if dead else self.context_text()
+        stale.mark(self.context_label, dead)
+        if context != self.context_label.text():
+            self.context_label.setText(context)
 
     def _update_buttons(self) -> None:
         view = self.conversation()
@@ -641,6 +656,13 @@ class ChatPanel(QWidget):
                LOADING: f"{self._engine_reason}: a message sent now is queued and goes out "
                         "once the engine is ready"}[self._engine_state]
         self.send_button.setToolTip(tip)
+        placeholder = {ALIVE: PLACEHOLDER,
+                       LOADING: f"{self._engine_reason}: a message sent now waits for the "
+                                "engine",
+                       DEAD: f"Engine unavailable ({self._engine_reason}): restart it to "
+                             "send"}[self._engine_state]
+        if placeholder != self.input.placeholderText():
+            self.input.setPlaceholderText(placeholder)
         self.stop_button.setEnabled(busy)
         messages = view.conversation.messages if view is not None else []
         self.regenerate_button.setEnabled(not busy and self._engine_state != DEAD

@@ -10,6 +10,9 @@ from kvscope.app.spec_text import acceptance_text
 
 SENDING, QUEUED, PREFILL, DECODING, PREEMPTED = "sending", "queued", "prefill", "decoding", \
     "preempted"
+# Running again after a preemption (or a pool rebuild), its KV computed anew: no new tokens
+# come out until it has caught up, so "decoding" would be untrue (issue 53, item 8).
+RECOMPUTING = "recomputing"
 FINISHED, FAILED = "finished", "failed"
 HELD = "held"  # sent before the engine was ready: the window holds it until it is
 DONE_PHASES = (FINISHED, FAILED)
@@ -39,7 +42,9 @@ class Turn:
     wait_reason: str = ""  # from the blocks frame: why it waits now ("" not waiting)
     num_drafts: int = 0  # speculative verifies that carried a draft (issue 31)
     num_accepted: int = 0  # drafted tokens accepted
+    num_from_disk: int = 0  # of num_cached, prefix tokens the KV disk tier gave back (issue 56)
     blocks_now: int = 0  # KV blocks its table holds in the latest blocks frame
+    total: int = 0  # from the blocks frame: its tokens, prompt and output
 
     @property
     def done(self) -> bool:
@@ -54,11 +59,12 @@ class Turn:
         self.num_preemptions = d.num_preemptions
         self.num_drafts = getattr(d, "num_drafts", 0)  # not sent by an older engine
         self.num_accepted = getattr(d, "num_accepted_tokens", 0)
+        self.num_from_disk = getattr(d, "num_disk_cached_tokens", 0)
         self.queued_s = d.queued_s if d.queued_s is not None else self.queued_s
         self.ttft_s = d.ttft_s if d.ttft_s is not None else self.ttft_s
         if d.token_ids and self.first_token_at is None:
             self.first_token_at = now
-        if self.phase not in DONE_PHASES:
+        if self.phase not in DONE_PHASES and (self.phase != RECOMPUTING or d.token_ids):
             self.phase = DECODING if self.num_output else self.phase
         if d.finished:
             self.phase, self.finish_reason, self.finished_at = FINISHED, d.finish_reason, now
@@ -74,6 +80,7 @@ class Turn:
             self.blocks_now = 0
             return
         self.computed = frame.num_computed_tokens[i]
+        self.total = frame.num_tokens[i]
         offsets = frame.array("table_offsets")
         self.blocks_now = int(offsets[i + 1] - offsets[i])
         self.max_blocks = max(self.max_blocks, self.blocks_now)
@@ -85,6 +92,8 @@ class Turn:
             self.phase = PREEMPTED if (self.num_output or self.num_preemptions) else QUEUED
         elif not self.num_output:
             self.phase = PREFILL
+        elif self.computed + 1 < self.total:  # decoding leaves only the newest token to do
+            self.phase = RECOMPUTING
         else:
             self.phase = DECODING
 
@@ -118,6 +127,10 @@ class Turn:
             return f"prefill {self.computed}/{total} tokens ({100 * self.computed // total} %)"
         if self.phase == DECODING:
             return f"decoding · {self.num_output} tokens · {rate(self.decode_rate())}"
+        if self.phase == RECOMPUTING:
+            total = max(1, self.total)
+            return (f"recomputing after preemption · {self.computed}/{total} tokens "
+                    f"({100 * self.computed // total} %) · no new tokens until done")
         if self.phase == PREEMPTED:
             return f"preempted · waiting to recompute ({self.num_preemptions}×)"
         if self.phase == FAILED:
@@ -135,6 +148,8 @@ class Turn:
                  f"{blocks} blocks"]
         if self.num_cached:
             parts.append(f"{self.num_cached} cached")
+        if self.num_from_disk:  # a conversation resumed after a restart
+            parts.append(f"prefix from disk: {self.num_from_disk} tokens")
         if self.num_preemptions:
             parts.append(f"{self.num_preemptions} preemptions")
         if self.priority:

@@ -19,6 +19,7 @@ from PySide6.QtWidgets import (
 )
 
 from kvscope.app.controls.spec_control import SpecControl
+from kvscope.app.engine_words import in_window_words
 from kvscope.app.kv_grid.panel import KVGridBox
 from kvscope.ipc.messages import EngineSettings
 
@@ -252,6 +253,9 @@ class ControlsPanel(QWidget):
         """What the chosen rotation means for the chosen dtype (auto resolves as the engine
         does: calibrated exactly when the KV is int8 or fp8)."""
         dtype, rotation = self.kv_dtype.currentText(), self.kv_rotation.currentText()
+        if not dtype or not rotation:  # "—": no engine's settings known, nothing to explain
+            self.rotation_note.setText("")
+            return
         if rotation == "auto":
             rotation = "calibrated" if dtype in ROTATED_BY_DEFAULT else "none"
         if rotation == "none":
@@ -289,7 +293,8 @@ class ControlsPanel(QWidget):
         self.progress.hide()
         self.set_enabled(True)
         self.result.setProperty("state", "error")
-        self.result.setText("Refused by the engine (the old configuration stays): " + reason)
+        self.result.setText("Refused by the engine (the old configuration stays): "
+                            + in_window_words(reason))
         self._restyle()
 
     def _restyle(self) -> None:

@@ -16,6 +16,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from kvscope.app import stale
 from kvscope.app.plots.axes import use_sparse_y_axis
 from kvscope.app.plots.plot_title import use_wrapping_title
 from kvscope.app.plots.series import Series
@@ -39,6 +40,7 @@ class BatchPlots(QWidget):
         self.t0: float | None = None
         self.last_step = -1
         self.last_stats = None
+        self.stale: str | None = None  # why the numbers stopped (the engine died)
         self.steps = Series(("prefill", "decode", "budget", "running", "waiting"))
         self.frames = Series(("preempted",))
         self.kv = Series(("usage",))
@@ -138,6 +140,15 @@ class BatchPlots(QWidget):
                           itl=None if frame.itl_s.p50 is None else frame.itl_s.p50 * ms)
         self.last_stats = frame  # the summary line follows on the next refresh
         self._dirty = True
+        if self.stale is not None:
+            self.stale = None
+            stale.mark(self.summary, False)
+
+    def mark_stale(self, reason: str) -> None:
+        """The engine is gone: its last rates and latencies stay, greyed and said to be old."""
+        self.stale = reason
+        stale.mark(self.summary, True)
+        self._show_summary()
 
     def _show_summary(self) -> None:
         frame = self.last_stats
@@ -147,6 +158,8 @@ class BatchPlots(QWidget):
                 f"{frame.prompt_tokens_per_s:,.0f} tok/s · TTFT p50/p90 {_ms(frame.ttft_s.p50)}/"
                 f"{_ms(frame.ttft_s.p90)} · ITL p50/p90 {_ms(frame.itl_s.p50)}/"
                 f"{_ms(frame.itl_s.p90)} · KV {_pct(frame.kv_usage)}")
+        if self.stale is not None:
+            text = stale.plain(text)
         if text != self.summary.text():
             self.summary.setText(text)
             self.summary.setToolTip(text)  # the label clips in a narrow window
@@ -234,6 +247,9 @@ class BatchPlots(QWidget):
         for s in (self.steps, self.frames, self.kv, self.stats):
             s.clear()
         self.t0, self.last_step, self._dirty = None, -1, True
+        self.last_stats, self.stale = None, None
+        self.summary.setText("")
+        stale.mark(self.summary, False)
         self._ranges.clear()
         self.refresh()
 
