@@ -3,10 +3,13 @@ date and model, and a button that measures it again in the background.
 
 Put in the Engine tab under the KV dtype control and in the KV calculator; highlight(dtype)
 marks the maps of the dtype chosen there. Both boxes share one runner, so a run started in
-one shows its progress in both, and both reload the grid when it ends.
+one shows its progress in both, and both reload the grid when it ends. Before a run the box
+says how long one takes (the last run's time, else a first guess); during one, the child's
+own estimate of the time left, and Cancel ends it.
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from PySide6.QtWidgets import (
@@ -22,9 +25,23 @@ from PySide6.QtWidgets import (
 
 from kvscope.app.kv_grid import saved_grid
 from kvscope.app.kv_grid.heatmap import Heatmap
-from kvscope.app.kv_grid.runner import GridRunner, shared_runner
+from kvscope.app.kv_grid.runner import CANCELLED, GridRunner, shared_runner
 
 DTYPE_ORDER = ("float32", "bfloat16", "float16", "int8", "fp8")
+FIRST_GUESS_MIN = 10  # a --quick grid on 2 CPU cores, before this machine has run one
+
+
+def minutes(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
+def estimate_text(grid: saved_grid.SavedGrid | None) -> str:
+    """How long Measure will take, said before it starts."""
+    if grid is not None and grid.seconds > 0 and not grid.partial:
+        return (f"Measure takes about {minutes(grid.seconds)} here (the last run), at full "
+                "CPU in its own process; Cancel stops it.")
+    return (f"Measure takes about {FIRST_GUESS_MIN} min on 2 CPU cores, at full CPU in its "
+            "own process; Cancel stops it.")
 
 
 def _title(setting: saved_grid.SettingGrid) -> str:
@@ -57,6 +74,13 @@ class KVGridBox(QGroupBox):
             "run `kvscope kv-accuracy --task passkey --quick` in the background (its own "
             "process and model; a few minutes on 2 cores)")
         self.measure_button.clicked.connect(self.measure)
+        self.cancel_button = QPushButton("Cancel")
+        self.cancel_button.setObjectName("kvGridCancel")
+        self.cancel_button.setToolTip("Stop the measurement: its process ends; the settings "
+                                      "it finished are kept as a partial grid")
+        self.cancel_button.clicked.connect(self.cancel)
+        self.cancel_button.hide()
+        self.started_at: float | None = None
         self.progress = QProgressBar()
         self.progress.setRange(0, 100)
         self.progress.setMaximumHeight(12)
@@ -67,6 +91,7 @@ class KVGridBox(QGroupBox):
         row = QHBoxLayout()
         row.addWidget(self.progress, 1)
         row.addWidget(self.measure_button)
+        row.addWidget(self.cancel_button)
         layout = QVBoxLayout(self)
         layout.addWidget(self.caption)
         layout.addWidget(self.maps_holder)
@@ -84,6 +109,8 @@ class KVGridBox(QGroupBox):
         """Read the saved grid again; a missing or corrupt one leaves a message, no maps."""
         self.grid, message = saved_grid.load(self.path)
         self._clear_maps()
+        if not self.runner.is_running():
+            self.status.setText(estimate_text(self.grid))
         if self.grid is None:
             self.caption.setText(message)
             return
@@ -104,6 +131,9 @@ class KVGridBox(QGroupBox):
     def measure(self) -> None:
         self.runner.start()
 
+    def cancel(self) -> None:
+        self.runner.cancel()
+
     # -- internals --------------------------------------------------------------------------
     def _clear_maps(self) -> None:
         for m in self.maps:
@@ -123,20 +153,31 @@ class KVGridBox(QGroupBox):
                 self.maps.append(m)
 
     def _show_started(self) -> None:
+        self.started_at = time.monotonic()
         self.measure_button.setEnabled(False)
+        self.cancel_button.show()
+        self.cancel_button.setEnabled(True)
         self.progress.setValue(0)
         self.progress.show()
-        self.status.setText("measuring in the background ...")
+        guess = estimate_text(self.grid).split(",")[0].removeprefix("Measure takes ")
+        self.status.setText(f"measuring in the background: {guess} in all ...")
 
     def _show_progress(self, percent: int, text: str) -> None:
         self.progress.setValue(percent)
-        self.status.setText(f"measuring: {percent} %, {text}")
+        spent = "" if self.started_at is None else \
+            f", {minutes(time.monotonic() - self.started_at)} so far"
+        self.status.setText(f"measuring: {percent} %, {text.replace('eta', 'time left')}{spent}")
 
     def _show_finished(self, ok: bool, message: str) -> None:
+        self.started_at = None
         self.measure_button.setEnabled(True)
+        self.cancel_button.hide()
         self.progress.hide()
-        self.status.setText("" if ok else message)
         self.reload()
+        if message == CANCELLED:
+            self.status.setText("cancelled")
+        elif not ok:
+            self.status.setText(message)
 
 
 def _depths(depths: list[float]) -> str:

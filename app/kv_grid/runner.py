@@ -3,7 +3,8 @@ in a QProcess (its own process and model, niced where `nice` exists), so neither
 nor the engine waits for it. Progress comes from the command's stderr lines
 ("[kv-accuracy] progress 42% eta 3m10s int8"); the grid, once the process ends, from the file
 it saved. One runner is shared by every view (shared_runner), so two buttons never start two
-runs.
+runs. cancel() ends the child (SIGTERM, then SIGKILL if it lingers) and the run ends as
+"cancelled", never as a failure.
 """
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ import shutil
 import sys
 from pathlib import Path
 
-from PySide6.QtCore import QCoreApplication, QObject, QProcess, Signal
+from PySide6.QtCore import QCoreApplication, QObject, QProcess, QTimer, Signal
 
+from kvscope.app.engine_process import exit_text
 from kvscope.app.kv_grid.saved_grid import saved_path
 
 PROGRESS = re.compile(r"progress (\d+)% eta (\S+)(?: (.*))?")
+KILL_AFTER_MS = 3000  # a cancelled child that has not ended on SIGTERM by then is killed
+CANCELLED = "cancelled"
 
 
 def command(save: Path, extra: list[str] | None = None) -> list[str]:
@@ -48,6 +52,11 @@ class GridRunner(QObject):
         self.process: QProcess | None = None
         self._buffer = ""
         self._last_lines: list[str] = []
+        self.cancelled = False
+        self._kill_timer = QTimer(self)  # SIGKILL for a cancelled child that lingers
+        self._kill_timer.setSingleShot(True)
+        self._kill_timer.setInterval(KILL_AFTER_MS)
+        self._kill_timer.timeout.connect(self.stop)
 
     def is_running(self) -> bool:
         return self.process is not None
@@ -63,13 +72,22 @@ class GridRunner(QObject):
         proc.finished.connect(self._ended)
         proc.errorOccurred.connect(self._failed)
         self.process = proc
-        self._buffer, self._last_lines = "", []
+        self._buffer, self._last_lines, self.cancelled = "", [], False
         proc.start(program, args)
         self.started.emit()
 
     def stop(self) -> None:
         if self.process is not None:
             self.process.kill()
+
+    def cancel(self) -> None:
+        """End the run the user started: SIGTERM, then SIGKILL if the child lingers."""
+        proc = self.process
+        if proc is None:
+            return
+        self.cancelled = True
+        proc.terminate()
+        self._kill_timer.start()
 
     def _read_stderr(self) -> None:
         if self.process is None:
@@ -85,14 +103,21 @@ class GridRunner(QObject):
                 percent, eta, setting = got
                 self.progressed.emit(percent, f"eta {eta}" + (f", {setting}" if setting else ""))
 
-    def _ended(self, code: int, _status: QProcess.ExitStatus) -> None:
+    def _ended(self, code: int, status: QProcess.ExitStatus) -> None:
         self._read_stderr()
-        self.process = None
-        if code == 0:
+        proc, self.process = self.process, None
+        self._kill_timer.stop()
+        if proc is not None:
+            proc.deleteLater()
+        crashed = status == QProcess.ExitStatus.CrashExit
+        if self.cancelled:
+            self.finished.emit(False, CANCELLED)
+        elif code == 0 and not crashed:
             self.finished.emit(True, "measured")
         else:
             tail = self._last_lines[-1] if self._last_lines else ""
-            self.finished.emit(False, f"the measurement failed (exit {code}): {tail}")
+            how = exit_text(code, crashed)
+            self.finished.emit(False, f"the measurement {how}" + (f": {tail}" if tail else ""))
 
     def _failed(self, error: QProcess.ProcessError) -> None:
         if error == QProcess.ProcessError.FailedToStart and self.process is not None:

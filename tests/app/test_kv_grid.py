@@ -142,7 +142,47 @@ def test_failed_run_says_why(qtbot, tmp_path, monkeypatch):
     run = GridRunner(tmp_path / "x.json")
     with qtbot.waitSignal(run.finished, timeout=20000) as done:
         run.start()
-    assert done.args[0] is False and "exit 3" in done.args[1] and "boom" in done.args[1]
+    assert done.args[0] is False and "exited with code 3" in done.args[1] and \
+        "boom" in done.args[1]
+
+
+def test_cancel_ends_the_child_and_says_cancelled(qtbot, tmp_path, monkeypatch):
+    """Measure runs for minutes at full CPU: Cancel ends its process (it must not linger)
+    and the box says "cancelled", not "the measurement failed (exit 15)"."""
+    import os
+
+    pid_file = tmp_path / "pid"
+    script = (f"import os,sys,time; open({str(pid_file)!r},'w').write(str(os.getpid())); "
+              "sys.stderr.write('[kv-accuracy] progress 5% eta 9m30s float32\\n'); "
+              "sys.stderr.flush(); time.sleep(120)")
+    monkeypatch.setattr(runner_mod, "command", lambda save, extra: [sys.executable, "-c",
+                                                                    script])
+    path = tmp_path / "last-passkey.json"
+    path.write_text(json.dumps(grid()))
+    run = GridRunner(path)
+    b = KVGridBox(path, runner=run)
+    qtbot.addWidget(b)
+    assert "Measure takes about" in b.status.text()  # said before it starts
+    assert b.cancel_button.isHidden()
+    with qtbot.waitSignal(run.progressed, timeout=20000):
+        b.measure_button.click()
+    assert not b.cancel_button.isHidden() and "time left 9m30s" in b.status.text()
+    pid = int(pid_file.read_text())
+    with qtbot.waitSignal(run.finished, timeout=10000) as done:
+        b.cancel_button.click()
+    assert done.args == [False, "cancelled"]
+    assert b.status.text() == "cancelled" and "exit" not in b.status.text()
+    assert b.cancel_button.isHidden() and b.measure_button.isEnabled()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # the child is gone (reaped by QProcess)
+
+
+def test_the_estimate_is_the_last_runs_time():
+    from kvscope.app.kv_grid.panel import FIRST_GUESS_MIN, estimate_text
+
+    loaded = saved_grid.parse(json.dumps(grid()))
+    assert f"{FIRST_GUESS_MIN} min" in estimate_text(None)
+    assert "about 5 min here (the last run)" in estimate_text(loaded)  # its 300 s
 
 
 def test_command_and_progress_lines():
