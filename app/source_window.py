@@ -2,7 +2,9 @@
 views as kvscope's own: the map in the middle (llama-server: one row per slot; vLLM: its
 prefix cache), the batch plots and the device panel's place under it, the chat (the same
 ChatPanel, through the engine's OpenAI API) and the settings in docks, a status bar naming
-the engine. What the source does not report says so in place; nothing is drawn as zero.
+the engine. Its chats are saved as the main window's are (app.chat.store), in a folder of
+their own per engine kind and address, and come back when that engine is attached again.
+What the source does not report says so in place; nothing is drawn as zero.
 
 It takes any app.sources.source.PolledSource and never imports a source module: the launcher
 (app.main) builds the source; app.bridge.SourceBridge hands its state over on the GUI thread.
@@ -22,6 +24,7 @@ from PySide6.QtWidgets import (
 
 from kvscope.app.bridge import SourceBridge
 from kvscope.app.chat.panel import ChatPanel
+from kvscope.app.chat.store import ChatStore, attached_folder
 from kvscope.app.plots.batch_plots import BatchPlots
 from kvscope.app.remote.prefix_map import PrefixMapView, describe_cache
 from kvscope.app.remote.read_only import NotReported, ReadOnlySettings
@@ -47,7 +50,8 @@ NO_MAP = "Block map: {missing}"
 class SourceWindow(QMainWindow):
     engineReady = Signal()  # the first answer from the engine
 
-    def __init__(self, source, parent: QWidget | None = None) -> None:
+    def __init__(self, source, parent: QWidget | None = None,
+                 store: ChatStore | None = None) -> None:
         super().__init__(parent)
         self.source = source
         kind = source.kind
@@ -94,7 +98,8 @@ class SourceWindow(QMainWindow):
         self._mark_plots()
         self.device_panel = NotReported(source.missing("device memory") if not source.has(DEVICE)
                                         else "")
-        self.chat = ChatPanel()
+        self.chat = ChatPanel(store if store is not None else
+                              ChatStore(attached_folder(kind, getattr(source, "url", ""))))
         # A remote engine's chat goes in without a priority: the toggle would promise nothing.
         self.chat.interactive.setEnabled(False)
         self.chat.interactive.setToolTip(f"{kind}: the window's chat is sent without a "
@@ -173,6 +178,9 @@ class SourceWindow(QMainWindow):
         if self.closed:
             return
         self.closed = True
+        self.chat.save()  # the shown conversation's prompt and sampling, if changed
+        if self.chat.store is not None:
+            self.chat.store.close()
         self.bridge.close()
 
     def closeEvent(self, event) -> None:

@@ -35,6 +35,14 @@ def default_folder() -> Path:
     return Path(base or Path.home() / ".local" / "share") / "kvscope" / "chats"
 
 
+def attached_folder(kind: str, url: str) -> Path:
+    """The chats of an attached engine (vLLM, llama-server), one folder per engine kind and
+    address, beside the main window's (which load_all never reads: it globs its own files).
+    The name is made of the address's plain characters only: a URL is never a path."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{kind}-{url.split('://', 1)[-1]}").strip("_.")
+    return default_folder() / "attached" / (name[:120] or kind or "engine")
+
+
 class ChatStore:
     def __init__(self, folder: Path | None = None) -> None:
         self.folder = Path(folder) if folder is not None else default_folder()

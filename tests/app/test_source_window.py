@@ -205,3 +205,32 @@ def test_a_stalled_server_never_stalls_the_window(qtbot, fake):
     finally:
         fake.delay_s = 0.0
         window.close()
+
+
+def test_an_attached_engines_chats_are_saved_and_come_back(qtbot, fake):
+    """The attach window's chats are saved as the main window's are, in a folder per engine
+    (kind and address): attaching the same engine again brings them back, another one does
+    not see them."""
+    from kvscope.app.chat.store import attached_folder, default_folder
+
+    window = llama_window(qtbot, fake.url)
+    window.start()
+    try:
+        qtbot.waitUntil(lambda: window.status.state == "alive", timeout=30_000)
+        window.chat.input.setPlainText("what is a slot?")
+        rid = window.chat.send()
+        qtbot.waitUntil(lambda: window.chat.turns[rid].done, timeout=30_000)
+    finally:
+        window.close()
+    folder = attached_folder("llama-server", fake.url)
+    assert folder.parent == default_folder() / "attached" and len(list(folder.glob("*.jsonl")))
+    again = llama_window(qtbot, fake.url)
+    other = llama_window(qtbot, "http://127.0.0.1:9")
+    try:
+        messages = again.chat.conversation().conversation.messages
+        assert [m.role for m in messages] == ["user", "assistant"]
+        assert messages[0].content == "what is a slot?" and messages[1].content == "".join(REPLY)
+        assert other.chat.conversation().conversation.messages == []
+    finally:
+        again.close()
+        other.close()
