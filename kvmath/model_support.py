@@ -1,6 +1,11 @@
 """Which models the engine computes, decided from the config alone: the refusal rules that
 engine.model.support applies at load and the window applies before it loads anything.
 
+Mixtures of experts run for Qwen3-MoE and Mixtral, whose routing engine.model.moe computes
+(which layers are sparse is decided here, once for the engine and the window); any other MoE
+model type, and any routing variant set in one of theirs (shared experts, another scoring
+function, group-limited or scaled routing), is refused naming the field.
+
 Pure Python (no torch, no transformers): a check reads its config through attributes, so it
 takes a transformers PretrainedConfig (the engine) or config_view(config.json's dict) (the
 window) alike; each refusal names the model_type or config field at fault and what is
@@ -13,7 +18,10 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3",
+                      "qwen3_moe", "mixtral")
+# The mixtures of experts among them (engine.model.moe routes as their Hugging Face code does).
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 GEMMA_FAMILIES = ("gemma2", "gemma3_text")
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 # config field of the MLP activation -> the activations the engine implements under that name.
@@ -25,7 +33,21 @@ FAMILIES = ", ".join(SUPPORTED_FAMILIES)
 # Rope types whose tables transformers' rotary modules compute and engine.model.rope keeps.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size",
-              "num_experts_per_tok")
+              "num_experts_per_tok", "shared_expert_intermediate_size", "n_shared_experts")
+# Routing variants neither MoE family's Hugging Face code computes: set in a qwen3_moe or
+# mixtral config, they describe another model (scoring_func "softmax" and a
+# routed_scaling_factor of 1 are what the families do).
+MOE_VARIANT_FIELDS = {
+    "shared_expert_intermediate_size": "shared experts",
+    "n_shared_experts": "shared experts",
+    "num_shared_experts": "shared experts",
+    "topk_method": "a top-k method",
+    "scoring_func": "a router scoring function",
+    "n_group": "group-limited routing",
+    "topk_group": "group-limited routing",
+    "routed_scaling_factor": "scaled routing weights",
+    "e_score_correction_bias": "a routing bias",
+}
 MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim")
 VISION_FIELDS = ("vision_config", "vision_tower", "mm_tokens_per_image", "image_token_id",
                  "image_token_index")
@@ -79,7 +101,47 @@ def _truthy(value: Any) -> bool:
 
 def _fail(cfg: Any, what: str) -> None:
     raise ValueError(f"model_type {cfg.model_type!r}: {what} is not supported "
-                     f"(the engine runs dense decoders of the families {FAMILIES})")
+                     f"(the engine runs the decoder families {FAMILIES})")
+
+
+def num_experts(cfg: Any) -> int:
+    """The expert count under either name (transformers aliases Qwen3-MoE's num_experts to
+    num_local_experts, Mixtral's name; config.json may hold either); 0 for a dense model."""
+    return int(getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+               or 0)
+
+
+def sparse_layers(cfg: Any) -> tuple[bool, ...]:
+    """Per layer, whether it is a mixture of experts, as the family's Hugging Face decoder
+    layer decides: every layer of a Mixtral; for Qwen3-MoE, when there are experts, the layers
+    outside mlp_only_layers whose index + 1 is a multiple of decoder_sparse_step; no layer of
+    a dense family."""
+    n = int(cfg.num_hidden_layers)
+    if cfg.model_type == "mixtral":
+        return (True,) * n
+    if cfg.model_type != "qwen3_moe" or num_experts(cfg) <= 0:
+        return (False,) * n
+    dense = set(getattr(cfg, "mlp_only_layers", None) or [])
+    step = int(getattr(cfg, "decoder_sparse_step", None) or 1)
+    return tuple(i not in dense and (i + 1) % step == 0 for i in range(n))
+
+
+def _moe_variants(cfg: Any) -> list[str]:
+    """What a qwen3_moe / mixtral config sets that their routing does not compute."""
+    out = []
+    for name, what in MOE_VARIANT_FIELDS.items():
+        value = getattr(cfg, name, None)
+        if not _truthy(value) or (name == "scoring_func" and value == "softmax") or (
+                name == "routed_scaling_factor" and value == 1):
+            continue
+        out.append(f"{what} ({name}={value!r})")
+    experts, top_k = num_experts(cfg), getattr(cfg, "num_experts_per_tok", None)
+    if top_k is not None and experts and not 0 < int(top_k) <= experts:
+        out.append(f"num_experts_per_tok={top_k} with {experts} experts")
+    step = getattr(cfg, "decoder_sparse_step", None)
+    if cfg.model_type == "qwen3_moe" and step is not None and int(step) < 1:
+        out.append(f"decoder_sparse_step={step!r} (at least 1)")
+    return out
 
 
 def _check_kind(cfg: Any) -> None:
@@ -87,8 +149,11 @@ def _check_kind(cfg: Any) -> None:
     model_type = str(cfg.model_type)
     kinds: list[str] = []
     moe = [f for f in MOE_FIELDS if _truthy(getattr(cfg, f, None))]
-    if moe or "moe" in model_type or model_type in ("mixtral", "dbrx", "gpt_oss"):
-        kinds.append(f"mixture of experts ({', '.join(moe) or 'model type'})")
+    if model_type in MOE_FAMILIES:
+        kinds += [f"a mixture-of-experts variant: {v}" for v in _moe_variants(cfg)]
+    elif moe or "moe" in model_type or model_type in ("dbrx", "gpt_oss"):
+        kinds.append(f"mixture of experts ({', '.join(moe) or 'model type'}; the engine routes "
+                     f"as {' and '.join(MOE_FAMILIES)} do)")
     mla = [f for f in MLA_FIELDS if _truthy(getattr(cfg, f, None))]
     if mla or "deepseek" in model_type:
         kinds.append(f"multi-head latent attention ({', '.join(mla) or 'model type'})")

@@ -10,7 +10,7 @@ from typing import Any
 
 # Families whose sliding_window applies to every layer, whatever layer_types says (as their
 # Hugging Face attention reads it; engine.model.family agrees).
-_UNIFORM = ("mistral", "mixtral", "phi3", "starcoder2")
+_UNIFORM = ("mistral", "mixtral", "phi3", "starcoder2", "qwen3_moe")
 # Gemma 2 alternates sliding and global layers, sliding first; Gemma 3 slides five of six.
 _DEFAULT_PATTERN = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}
 

@@ -1,8 +1,9 @@
 """What sets one decoder family's math apart from Llama's, read from its Hugging Face config.
 
 Every family the engine runs is a pre-norm decoder with RoPE, grouped-query attention and a
-gated MLP; the differences are a handful of switches (this FamilySpec) plus how the checkpoint
-names and packs its weights (engine.model.layer_weights). engine.model.support refuses, before any
+gated MLP, or for Qwen3-MoE and Mixtral a mixture of such MLPs (engine.model.moe); the
+differences are a handful of switches (this FamilySpec) plus how the checkpoint names and packs
+its weights (engine.model.layer_weights). engine.model.support refuses, before any
 weight is read, every config that needs more than these switches.
 """
 from __future__ import annotations
@@ -14,15 +15,17 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3",
+                      "qwen3_moe", "mixtral")
 GEMMA_FAMILIES = ("gemma2", "gemma3_text")
 # The families the fused CPU decode covered before gemma/qwen3/phi3 came (see FamilySpec.plain).
 PLAIN_FAMILIES = ("llama", "mistral", "qwen2")
 # Families whose config.layer_types says which layers slide (Hugging Face reads it there); for
 # mistral and phi3 config.sliding_window applies to every layer, whatever layer_types says.
 LAYER_TYPED_FAMILIES = ("qwen2", "qwen3", "gemma2", "gemma3_text")
-# Families whose sliding_window is config.sliding_window on every layer.
-UNIFORM_WINDOW_FAMILIES = ("mistral", "phi3")
+# Families whose sliding_window is config.sliding_window on every layer (Qwen3-MoE's config
+# sets it to None unless use_sliding_window).
+UNIFORM_WINDOW_FAMILIES = ("mistral", "phi3", "qwen3_moe", "mixtral")
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 # config field of the MLP activation -> the activations this engine implements under that name.
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -85,7 +88,7 @@ def family_spec(hf_config: PretrainedConfig) -> FamilySpec:
         model_type=model_type,
         activation=ACTIVATIONS[act],
         embed_scale=math.sqrt(hf_config.hidden_size) if gemma else 1.0,
-        qk_norm=model_type in ("qwen3", "gemma3_text"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
         sandwich_norms=gemma,
         # Gemma3's attention never passes its attn_logit_softcapping on (Hugging Face ignores
         # it), so only gemma2 caps scores.

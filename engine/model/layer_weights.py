@@ -2,7 +2,9 @@
 
 Checkpoints name and pack the same matrices differently: Phi-3 ships q/k/v as one qkv_proj and
 gate/up as one gate_up_proj (already the engine's fused layout, so they are kept as they are),
-the others as separate projections (concatenated here). Gemma's RMSNorm scales by (1 + w);
+the others as separate projections (concatenated here). A mixture-of-experts layer (Qwen3-MoE,
+Mixtral) holds a router and experts instead of the dense MLP (engine.model.moe_weights reads
+them in any of their layouts). Gemma's RMSNorm scales by (1 + w);
 its weights are stored with the 1 added (in float32), so every norm of the forward is the plain
 w * x / rms(x). Every floating tensor of the checkpoint must be used: one left over means the
 checkpoint has a part the engine does not compute, and it fails rather than run without it.
@@ -14,6 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from kvscope.engine.model.family import GEMMA_FAMILIES, FamilySpec
+from kvscope.engine.model.moe import Experts, MoeSpec
+from kvscope.engine.model.moe_weights import load_experts
 from kvscope.engine.model.weight_formats import Linear, make_linear
 
 # Buffers some checkpoints save that carry no weights (the rope tables are recomputed).
@@ -26,21 +30,23 @@ class LayerWeights:
     qkv: Linear
     o_proj: Linear
     post_norm: torch.Tensor            # the norm before the MLP
-    gate_up: Linear
-    down: Linear
+    gate_up: Linear | None             # the dense MLP; None in a mixture-of-experts layer
+    down: Linear | None
     q_norm: torch.Tensor | None = None         # [head_dim], qwen3 / gemma3
     k_norm: torch.Tensor | None = None
     attn_out_norm: torch.Tensor | None = None  # gemma's post_attention_layernorm
     mlp_out_norm: torch.Tensor | None = None   # gemma's post_feedforward_layernorm
     window: int = 0                            # 0 = global attention
     local_rope: bool = False                   # gemma3 sliding layers: rope_local_base_freq
+    experts: Experts | None = None             # a mixture-of-experts layer's router and experts
 
     def norms(self) -> list[torch.Tensor]:
         return [t for t in (self.input_norm, self.post_norm, self.q_norm, self.k_norm,
                             self.attn_out_norm, self.mlp_out_norm) if t is not None]
 
     def linears(self) -> list[Linear]:
-        return [self.qkv, self.o_proj, self.gate_up, self.down]
+        dense = [x for x in (self.qkv, self.o_proj, self.gate_up, self.down) if x is not None]
+        return dense + (self.experts.linears() if self.experts is not None else [])
 
 
 @dataclass
@@ -107,12 +113,21 @@ def _check_rows(name: str, weight: torch.Tensor, rows: int) -> None:
         raise ValueError(f"{name} has {weight.shape[0]} rows, the config implies {rows}")
 
 
+def _dense_mlp(ck: Checkpoint, i: int, weights: str) -> tuple[Linear, Linear]:
+    mlp = f"layers.{i}.mlp."
+    gate_up_w, gate_up_b = _projections(ck, mlp, "gate_up_proj", ("gate_proj", "up_proj"))
+    return (make_linear(gate_up_w, gate_up_b, weights),
+            make_linear(ck.take(mlp + "down_proj.weight"), ck.get(mlp + "down_proj.bias"),
+                        weights))
+
+
 def load_layer(ck: Checkpoint, family: FamilySpec, i: int, qkv_rows: int, weights: str,
-               local_rope: bool) -> LayerWeights:
-    p, attn, mlp = f"layers.{i}.", f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+               local_rope: bool, moe: MoeSpec | None = None) -> LayerWeights:
+    p, attn = f"layers.{i}.", f"layers.{i}.self_attn."
     qkv_w, qkv_b = _projections(ck, attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
     _check_rows(f"layer {i} q/k/v", qkv_w, qkv_rows)
-    gate_up_w, gate_up_b = _projections(ck, mlp, "gate_up_proj", ("gate_proj", "up_proj"))
+    experts = load_experts(ck, i, moe, weights) if moe and moe.sparse_layers[i] else None
+    gate_up, down = (None, None) if experts is not None else _dense_mlp(ck, i, weights)
     sandwich = family.sandwich_norms
     return LayerWeights(
         input_norm=ck.norm(p + "input_layernorm.weight"),
@@ -121,23 +136,24 @@ def load_layer(ck: Checkpoint, family: FamilySpec, i: int, qkv_rows: int, weight
                            weights),
         post_norm=ck.norm(p + ("pre_feedforward_layernorm.weight" if sandwich
                                else "post_attention_layernorm.weight")),
-        gate_up=make_linear(gate_up_w, gate_up_b, weights),
-        down=make_linear(ck.take(mlp + "down_proj.weight"), ck.get(mlp + "down_proj.bias"),
-                         weights),
+        gate_up=gate_up,
+        down=down,
         q_norm=ck.norm(attn + "q_norm.weight") if family.qk_norm else None,
         k_norm=ck.norm(attn + "k_norm.weight") if family.qk_norm else None,
         attn_out_norm=ck.norm(p + "post_attention_layernorm.weight") if sandwich else None,
         mlp_out_norm=ck.norm(p + "post_feedforward_layernorm.weight") if sandwich else None,
         window=family.layer_windows[i],
         local_rope=local_rope,
+        experts=experts,
     )
 
 
 def load_weights(family: FamilySpec, state_dict: dict[str, torch.Tensor], qkv_rows: int,
-                 local_layers: list[bool], device: str, dtype: torch.dtype, weights: str
-                 ) -> ModelWeights:
+                 local_layers: list[bool], device: str, dtype: torch.dtype, weights: str,
+                 moe: MoeSpec | None = None) -> ModelWeights:
     """Every weight of the model on `device` in `dtype`, matmuls in the `weights` format;
-    `local_layers`: per layer, whether it takes the local rope tables (gemma3)."""
+    `local_layers`: per layer, whether it takes the local rope tables (gemma3); `moe`: which
+    layers are mixtures of experts, and their expert count."""
     tensors = {k.removeprefix("model."): v.to(device=device, dtype=dtype)
                for k, v in state_dict.items() if v.is_floating_point()}
     ck = Checkpoint(tensors, family.model_type in GEMMA_FAMILIES)
@@ -145,7 +161,7 @@ def load_weights(family: FamilySpec, state_dict: dict[str, torch.Tensor], qkv_ro
         embed=ck.take("embed_tokens.weight"),
         head=ck.get("lm_head.weight"),
         final_norm=ck.norm("norm.weight"),
-        layers=[load_layer(ck, family, i, qkv_rows, weights, local)
+        layers=[load_layer(ck, family, i, qkv_rows, weights, local, moe)
                 for i, local in enumerate(local_layers)],
     )
     left = ck.leftovers()

@@ -1,4 +1,5 @@
-"""A decoder (Llama, Mistral, Qwen2/3, Gemma2/3, Phi-3, SmolLM) over the paged KV cache.
+"""A decoder (Llama, Mistral, Qwen2/3, Qwen3-MoE, Mixtral, Gemma2/3, Phi-3, SmolLM) over the
+paged KV cache.
 
 The families differ by a few switches (engine.model.family: q/k norms, sandwich norms, GELU,
 soft-capping, sliding windows, partial rotary), checked before anything loads
@@ -6,14 +7,16 @@ soft-capping, sliding windows, partial rotary), checked before anything loads
 (engine.model.layer_weights). Q/K/V and gate/up are fused into one
 matmul each, RoPE turns q and k in one go, and the norms are one op each, because decoding one
 token on a CPU costs as much in per-op overhead as in FLOPs. The matmul weights are dense or
-weight-only int4/int8 (engine.model.weight_formats).
+weight-only int4/int8 (engine.model.weight_formats). A mixture-of-experts layer routes each
+token to its top-k experts and runs them grouped by expert (engine.model.moe); the fused CPU
+decode has no experts, so such a model takes this ordinary forward (its reason is said).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +25,7 @@ from kvscope.engine.model.family import SUPPORTED_FAMILIES, FamilySpec, family_s
 from kvscope.engine.model.fused import decode as fused_decode
 from kvscope.engine.model.fused import model_view as fused_model
 from kvscope.engine.model.layer_weights import LayerWeights, fused_bias, load_weights
+from kvscope.engine.model.moe import ExpertLoad, moe_mlp, moe_spec
 from kvscope.engine.model.rescored_head import RescoredHead
 from kvscope.engine.model.rope import rope_tables, signed_sin
 from kvscope.engine.model.step_interrupt import StepInterrupt
@@ -160,8 +164,12 @@ class PagedLlama:
         if any(locals_):
             cos, sin = rope_tables(hf_config, max_model_len, dtype, "sliding_attention")
             self.local_cos, self.local_sin = cos.to(device), signed_sin(sin).to(device)
+        self.moe = moe_spec(hf_config)
         loaded = load_weights(self.family, state_dict, (s.num_heads + 2 * s.num_kv_heads)
-                              * s.head_dim, locals_, device, dtype, weights)
+                              * s.head_dim, locals_, device, dtype, weights, self.moe)
+        # Tokens routed to each expert, per step and since load (the step frame, /metrics).
+        self.expert_load = (None if self.moe is None else
+                            ExpertLoad(self.moe.num_experts, device))
         self.embed = loaded.embed
         # Hugging Face multiplies by sqrt(hidden) rounded to the weights' dtype.
         self.embed_scale = (None if self.family.embed_scale == 1.0 else
@@ -174,10 +182,19 @@ class PagedLlama:
         self.fused_reason = fused_model.unsupported_reason(self)
         # Off the fused step for its weights too (a bias, int8, float16): said, never silent.
         self.fused_rows, self.matmul_reason = (None, None) if self.fused_reason else \
-            fused_model.matmul_plan(self)
+            fused_model.matmul_plan(self.as_fused())
         self.fused_decode = self.fused_rows is not None
         self.interrupt: StepInterrupt | None = None  # set by the engine (priority policy)
-        self.fused_tables = fused_model.float32_tables(self) if self.fused_decode else None
+        self.fused_tables = (fused_model.float32_tables(self.as_fused()) if self.fused_decode
+                             else None)
+
+    def as_fused(self) -> fused_model.FusedModel:
+        """This model as the fused CPU step reads it: every layer with its dense MLP. Asked
+        only where fused_reason is None, which a mixture of experts never is (its family is
+        not one the fused step covers)."""
+        if self.moe is not None:  # some layer has experts, not a dense MLP
+            raise TypeError("the fused CPU decode was asked to run a layer without a dense MLP")
+        return cast("fused_model.FusedModel", self)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the model keeps (weights in their stored form, norms, rope tables)."""
@@ -198,8 +215,10 @@ class PagedLlama:
                 pool: PagedPool) -> torch.Tensor:
         """Hidden states [T, hidden] of the flattened batch, after the final norm."""
         eps = self.shape.rms_norm_eps
+        if self.expert_load is not None:
+            self.expert_load.begin_step()
         if self.fused_decode and fused_model.supports_step(meta, pool):
-            h = fused_decode.run_layers(self, input_ids, positions, meta, pool)
+            h = fused_decode.run_layers(self.as_fused(), input_ids, positions, meta, pool)
             return rms_norm(h.to(self.dtype), self.final_norm, eps)
         h = self.embed_tokens(input_ids)
         rope, local = self.rope_rows(positions)
@@ -268,6 +287,11 @@ class PagedLlama:
                                softcap=softcap)
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        if layer.experts is not None and self.moe is not None:
+            return moe_mlp(x, layer.experts, self.moe, self.family.activation,
+                           self.expert_load)
+        if layer.gate_up is None or layer.down is None:
+            raise ValueError("a layer has neither a dense MLP nor experts")
         gate_up = layer.gate_up(x)
         half = gate_up.shape[-1] // 2
         gate = gate_up[:, :half]

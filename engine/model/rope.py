@@ -26,6 +26,8 @@ ROTARY_CLASSES = {
     "gemma2": ("gemma2", "Gemma2RotaryEmbedding"),
     "gemma3_text": ("gemma3", "Gemma3RotaryEmbedding"),
     "phi3": ("phi3", "Phi3RotaryEmbedding"),
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeRotaryEmbedding"),
+    "mixtral": ("mixtral", "MixtralRotaryEmbedding"),
 }
 # Gemma3's layers take one of two rope setups by layer type (a dict of them in rope_parameters).
 PER_LAYER_TYPE = ("gemma3_text",)

@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "qwen3_moe",
+         "mixtral")
 # Small windows, so that test prompts run past them.
 WINDOW = 8
 PHI3_MAX_LEN = 256
@@ -43,6 +44,11 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
                                  "original_max_position_embeddings": 256,
                                  "short_factor": [1.0, 1.3, 1.7, 2.2],
                                  "long_factor": [2.0, 3.0, 5.0, 8.0]}},
+    # 8 experts, top-2: a batch's tokens spread over most experts (Mixtral's experts are
+    # intermediate_size wide, Qwen3-MoE's moe_intermediate_size).
+    "qwen3_moe": {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 32},
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2},
 }
 
 

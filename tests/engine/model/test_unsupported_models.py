@@ -23,9 +23,16 @@ def config(model_type, **fields):
 
 
 REFUSALS = [
-    ("mixtral", {"num_local_experts": 4}, "mixture of experts"),
     ("qwen2_moe", {}, "mixture of experts"),
-    ("qwen3_moe", {}, "mixture of experts"),
+    ("olmoe", {}, "mixture of experts"),
+    # Routing variants in the MoE families the engine runs, named by their field.
+    ("qwen3_moe", {"shared_expert_intermediate_size": 32},
+     "shared experts (shared_expert_intermediate_size=32)"),
+    ("qwen3_moe", {"scoring_func": "sigmoid"}, "scoring_func='sigmoid'"),
+    ("mixtral", {"n_group": 4, "topk_group": 2}, "group-limited routing (n_group=4)"),
+    ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 6},
+     "num_experts_per_tok=6 with 4 experts"),
+    ("qwen3_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step=0"),
     ("deepseek_v3", {"kv_lora_rank": 16, "q_lora_rank": 16}, "multi-head latent attention"),
     ("gemma3", {}, "vision tower"),
     ("llava", {}, "vision tower"),
@@ -78,7 +85,7 @@ def test_length_dependent_rope_is_refused_past_its_length(model_type, fields, li
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "gemma2",
-                                        "gemma3_text", "phi3"])
+                                        "gemma3_text", "phi3", "qwen3_moe", "mixtral"])
 def test_supported_families_pass(model_type):
     check_supported(config(model_type, head_dim=16))
 
@@ -86,7 +93,8 @@ def test_supported_families_pass(model_type):
 def test_a_refused_checkpoint_reads_no_weights(tmp_path, monkeypatch):
     path = save_tiny_model(tmp_path / "m", "llama")
     cfg = json.loads((path / "config.json").read_text())
-    cfg.update(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=4)
+    cfg.update(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], num_experts=4,
+               shared_expert_intermediate_size=32)
     (path / "config.json").write_text(json.dumps(cfg))
 
     def no_weights(*args, **kwargs):
@@ -94,7 +102,7 @@ def test_a_refused_checkpoint_reads_no_weights(tmp_path, monkeypatch):
 
     monkeypatch.setattr(model_files, "load_state_dict", no_weights)
     monkeypatch.setattr(model_files, "load_tokenizer", no_weights)
-    with pytest.raises(ValueError, match="'mixtral': mixture of experts"):
+    with pytest.raises(ValueError, match="'qwen2_moe': mixture of experts"):
         LLM(EngineConfig(model=str(path), weights="dense", dtype="float32"))
 
 
@@ -139,3 +147,4 @@ def test_the_window_refuses_what_the_engine_refuses():
     assert model_support.ATTENTION_LAYER_TYPES == family.ATTENTION_LAYER_TYPES
     assert model_support.ACTIVATIONS == family.ACTIVATIONS
     assert model_support.PER_LAYER_TYPE == rope.PER_LAYER_TYPE
+    assert set(model_support.MOE_FAMILIES) <= set(rope.ROTARY_CLASSES)
