@@ -23,8 +23,9 @@
 #include "cpu_vec.h"
 
 /* One matmul: int4 (1: w torch's packed codes in blocks of `block` outputs, scale_zero; 2: w
- * the AMX tiles' layout, kernels/cpu_int4_tiles.c) or dense (0: w [n, k] in the rows' dtype),
- * no bias. */
+ * the AMX tiles' layout, kernels/cpu_int4_tiles.c), int8 (3: w the codes, scale_zero the
+ * float32 scales, kernels/cpu_int8_gemm.c) or dense (0: w [n, k] in the rows' dtype), no
+ * bias. */
 typedef struct {
     const void *w;
     const uint16_t *scale_zero;
@@ -70,10 +71,10 @@ typedef struct {
     const volatile int *stop;
 } step_plan;
 
-/* The matmul input as float32 in xf, on one thread: int4 rounds it to bfloat16, dense widens
- * bfloat16 rows; dense float32 rows are read where they are (the return value). */
+/* The matmul input as float32 in xf, on one thread: int4 rounds it to bfloat16, dense and
+ * int8 widen bfloat16 rows; float32 rows are read where they are (the return value). */
 static const float *matmul_input(const step_plan *s, const step_matmul *m, const void *x) {
-    if (m->int4) {
+    if (m->int4 == 1 || m->int4 == 2) {
         kvscope_int4_round_rows(s->xf, x, (int)s->io, s->rows * m->k);
         return s->xf;
     }
@@ -87,6 +88,9 @@ static void matmul_team(const step_plan *s, const step_matmul *m, const float *x
                         int *status) {
     if (m->int4 == 2)
         kvscope_int4_tiles_team(y, 1, xf, m->w, s->rows, m->n, m->k, status);
+    else if (m->int4 == 3)
+        kvscope_int8_team(y, (int)s->io, xf, m->w, (const float *)m->scale_zero, s->rows, m->n,
+                          m->k);
     else if (m->int4)
         kvscope_int4_team(y, 1, xf, m->w, m->scale_zero, s->rows, m->n, m->k, m->block);
     else

@@ -19,6 +19,7 @@ verify's rows less), else "fma" where there are no tiles.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 from collections.abc import Callable
@@ -73,9 +74,12 @@ def torch_int4(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) 
 
 
 def native_int4(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor,
-                parallel: bool = True, block: int | None = None) -> torch.Tensor:
+                parallel: bool = True, block: int | None = None,
+                lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """The native kernel on the same tensors: x [M, K] (float32 or bfloat16, contiguous),
-    [M, N] bfloat16; block: the packing's width (default: torch's here, torch_block())."""
+    [M, N] bfloat16; block: the packing's width (default: torch's here, torch_block());
+    lib: the kernels to run (default: the engine's build; the tests pass other instruction
+    sets' builds, kernels.native.variant)."""
     block = block or torch_block()
     if block not in TORCH_BLOCKS:  # it would read the codes as another weight's
         raise ValueError("torch packs int4 weights in a layout the native kernel does not "
@@ -83,7 +87,7 @@ def native_int4(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor,
     m, k = x.shape
     n = scale_zero.shape[1]
     y = torch.empty((m, n), dtype=torch.bfloat16)
-    status = native.require_library().kvscope_int4_gemm(
+    status = (lib or native.require_library()).kvscope_int4_gemm(
         y.data_ptr(), KINDS[torch.bfloat16], x.data_ptr(), KINDS[x.dtype], packed.data_ptr(),
         scale_zero.data_ptr(), m, n, k, int(parallel), block)
     if status:

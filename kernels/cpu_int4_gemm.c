@@ -215,6 +215,112 @@ typedef void (*pair8_fn)(void *, int, int64_t, const float *, int64_t, const uin
                          const uint16_t *, int64_t, int64_t, int64_t);
 static const pair8_fn pairs8[] = {0, pair8_1, pair8_2, pair8_3, pair8_4};
 
+/* -- one row: 8 FMA chains in flight ------------------------------------------------------
+ * Every output's sum is a chain of fused multiply-adds, each waiting for the one before (4-5
+ * cycles), and a core issues two a cycle: a row against one tile's 2 (8-wide) or 4 (16-wide)
+ * outputs kept the FMA units idle most of the time, and a 1-row decode read its weights at a
+ * fraction of the memory's pace. A decode's row is therefore run against 8 vectors of
+ * outputs at once: two blocks of 32 (8-wide), one of 64 read 8 wide, or two of 64 (16-wide).
+ * Each output's chain is the tiles' own (the same expression, the same order), so the bits
+ * are the same as theirs and torch's. */
+#define ONE_ROW8(NB, NP)                                                                    \
+    static void one_row8_##NB##_##NP(void *y, int y_kind, int64_t N, const float *x,        \
+                                     int64_t K, const uint8_t *c, const uint16_t *sz,       \
+                                     int64_t n0) {                                          \
+        enum { HB = 8 * NP, T = NB * NP };                                                  \
+        v8f acc[T][2];                                                                      \
+        for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = (v8f){0};                       \
+        for (int64_t g = 0; g < K / GROUP; g++) {                                           \
+            v8f s[T][2], z8[T][2];                                                          \
+            for (int t = 0; t < T; t++) {                                                   \
+                const int64_t lo = n0 + (t / NP) * 2 * HB + 8 * (t % NP);                   \
+                group_scales8(&s[t][0], &z8[t][0], sz + (g * N + lo) * 2);                  \
+                group_scales8(&s[t][1], &z8[t][1], sz + (g * N + lo + HB) * 2);             \
+            }                                                                               \
+            for (int bi = 0; bi < NB; bi++)                                                 \
+                prefetch_group(c + bi * K * HB, sz, N, K, n0 + bi * 2 * HB, g, HB);         \
+            for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k++) {                         \
+                const float xk = x[k];                                                      \
+                for (int t = 0; t < T; t++) {                                               \
+                    v8i b = u8x8_to_i32(c + (t / NP) * K * HB + k * HB + 8 * (t % NP));     \
+                    v8f w0 = __builtin_convertvector(b & 15, v8f) * s[t][0] + z8[t][0];     \
+                    v8f w1 = __builtin_convertvector(b >> 4, v8f) * s[t][1] + z8[t][1];     \
+                    acc[t][0] = acc[t][0] + xk * w0;                                        \
+                    acc[t][1] = acc[t][1] + xk * w1;                                        \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+        for (int t = 0; t < T; t++) {                                                       \
+            const int64_t lo = n0 + (t / NP) * 2 * HB + 8 * (t % NP);                       \
+            store_out8(y, y_kind, lo, acc[t][0]);                                           \
+            store_out8(y, y_kind, lo + HB, acc[t][1]);                                      \
+        }                                                                                   \
+    }
+ONE_ROW8(2, 2) /* blocks of 32 (torch's packing under AVX2): two blocks */
+ONE_ROW8(1, 4) /* a block of 64 read 8 wide */
+
+#if defined(__AVX512F__)
+/* Two blocks of 64 outputs at n0, each as rows_1_all takes one. */
+static void one_row16_2(void *y, int y_kind, int64_t N, const float *x, int64_t K,
+                        const uint8_t *c, const uint16_t *sz, int64_t n0) {
+    v16f acc[2][4];
+    for (int bi = 0; bi < 2; bi++)
+        for (int j = 0; j < 4; j++) acc[bi][j] = (v16f){0};
+    for (int64_t g = 0; g < K / GROUP; g++) {
+        v16f s[2][4], z8[2][4];
+        for (int bi = 0; bi < 2; bi++)
+            for (int j = 0; j < 4; j++) {
+                const int64_t n = n0 + BLOCK * bi + 16 * (j / 2) + 32 * (j % 2);
+                group_scales(&s[bi][j], &z8[bi][j], sz + (g * N + n) * 2);
+            }
+        for (int bi = 0; bi < 2; bi++)
+            prefetch_group(c + bi * K * 32, sz, N, K, n0 + BLOCK * bi, g, BLOCK / 2);
+        for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k++) {
+            const float xk = x[k];
+            for (int bi = 0; bi < 2; bi++)
+                for (int h = 0; h < 2; h++) {
+                    v16i b = u8x16_to_i32(c + bi * K * 32 + k * 32 + 16 * h);
+                    v16f w0 = __builtin_convertvector(b & 15, v16f) * s[bi][2 * h]
+                              + z8[bi][2 * h];
+                    v16f w1 = __builtin_convertvector(b >> 4, v16f) * s[bi][2 * h + 1]
+                              + z8[bi][2 * h + 1];
+                    acc[bi][2 * h] = acc[bi][2 * h] + xk * w0;
+                    acc[bi][2 * h + 1] = acc[bi][2 * h + 1] + xk * w1;
+                }
+        }
+    }
+    for (int bi = 0; bi < 2; bi++)
+        for (int j = 0; j < 4; j++)
+            store_out(y, y_kind, n0 + BLOCK * bi + 16 * (j / 2) + 32 * (j % 2), acc[bi][j]);
+}
+#endif
+
+/* Blocks a one-row unit takes (1 or 2) and its kernel; 0 where the packing has none. */
+typedef void (*one_row_fn)(void *, int, int64_t, const float *, int64_t, const uint8_t *,
+                           const uint16_t *, int64_t);
+static int64_t one_row_unit(int wide, int64_t hb, one_row_fn *fn) {
+#if defined(__AVX512F__)
+    if (wide) {
+        *fn = one_row16_2;
+        return 2;
+    }
+#else
+    (void)wide;
+#endif
+    if (hb == 16) {
+        *fn = one_row8_2_2;
+        return 2;
+    }
+    if (hb == 32) {
+        *fn = one_row8_1_4;
+        return 1;
+    }
+    return 0;
+}
+/* Below this many blocks a weight's one-row calls keep the tiles' units of one block: two
+ * blocks a unit would share 9 blocks (SmolLM2's 576 outputs) 6 : 4 between two threads. */
+#define ONE_ROW_MIN_BLOCKS 32
+
 /* Row tiles of as even a size as `most` allows (16 rows by 12: 8 and 8, not 12 and 4). */
 static inline int64_t tile_size(int64_t M, int64_t most) {
     const int64_t tiles = (M + most - 1) / most;
@@ -273,6 +379,24 @@ void kvscope_int4_team(void *y, int y_kind, const float *xf, const uint8_t *code
 #else
     const int wide = 0;
 #endif
+    one_row_fn one = 0;
+    const int64_t per = M == 1 && blocks >= ONE_ROW_MIN_BLOCKS ? one_row_unit(wide, hb, &one)
+                                                                : 0;
+    if (per) {
+        const int64_t units = (blocks + per - 1) / per;
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < units; u++) {
+            const int64_t b = u * per;
+            const uint8_t *c = codes + b * K * hb;
+            if (b + per <= blocks)
+                one(y, y_kind, N, xf, K, c, scale_zero, b * block);
+            else if (wide)
+                block16(y, y_kind, xf, c, scale_zero, M, N, K, b * block);
+            else
+                block8(y, y_kind, xf, c, scale_zero, M, N, K, b * block, hb);
+        }
+        return;
+    }
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *c = codes + b * K * hb;

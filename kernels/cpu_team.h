@@ -54,6 +54,11 @@ void kvscope_int4_team(void *y, int y_kind, const float *xf, const uint8_t *code
                        const uint16_t *scale_zero, int64_t M, int64_t N, int64_t K,
                        int64_t block);
 
+/* The int8 matmul (kernels/cpu_int8_gemm.c): xf [M, K] float32, codes in blocks of 16
+ * outputs [N / 16, K, 16], scales [N / 16, K / 32, 16]; y_kind 0 float32, 1 bfloat16. */
+void kvscope_int8_team(void *y, int y_kind, const float *xf, const int8_t *codes,
+                       const float *scales, int64_t M, int64_t N, int64_t K);
+
 /* The int4 matmul on AMX tiles (kernels/cpu_int4_tiles.c), on its own layout. */
 int kvscope_int4_tiles_ready(void);
 void kvscope_int4_tiles_team(void *y, int y_kind, const float *xf, const uint8_t *tiles,

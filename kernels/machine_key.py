@@ -19,7 +19,8 @@ import torch
 HERE = Path(__file__).parent
 # Python sources whose code is one of the measured candidates or decides among them; the C
 # sources come from kernels.native (whatever the build list holds at the time).
-PY_SOURCES = (HERE / "cpu_linear.py", HERE / "cpu_int4.py", HERE / "kernel_choice.py")
+PY_SOURCES = (HERE / "cpu_linear.py", HERE / "cpu_int4.py", HERE / "cpu_int8.py",
+              HERE / "kernel_choice.py")
 # Flags shown in the table (the key hashes all of them): the ones that decide matmul speed.
 NOTABLE_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16",
                  "amx_tile", "asimd", "sve", "bf16")

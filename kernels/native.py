@@ -27,7 +27,8 @@ HERE = Path(__file__).parent
 SOURCES = (HERE / "cpu_decode_attention.c", HERE / "cpu_decode_glue.c",
            HERE / "cpu_small_gemm.c", HERE / "cpu_int4_gemm.c", HERE / "cpu_kv_write.c",
            HERE / "cpu_decode_step.c", HERE / "cpu_amx_gemm.c",
-           HERE / "cpu_dpbf16_gemm.c", HERE / "cpu_int4_tiles.c")
+           HERE / "cpu_dpbf16_gemm.c", HERE / "cpu_int4_tiles.c",
+           HERE / "cpu_int8_gemm.c")
 # not compiled on their own, but part of the cache key
 HEADERS = (HERE / "cpu_vec.h", HERE / "cpu_team.h", HERE / "cpu_glue.h")
 ENV = "KVSCOPE_CPU_KERNELS"
@@ -53,6 +54,7 @@ SIGNATURES = {
     "kvscope_gemm": [P, INT, P, INT, P, INT, P, I64, I64, I64, INT, INT],  # ..., parallel, paths
     "kvscope_int4_gemm": [P, INT, P, INT, P, P, I64, I64, I64, INT, I64],
     "kvscope_int4_tiles_gemm": [P, INT, P, INT, P, I64, I64, I64, INT],
+    "kvscope_int8_gemm": [P, INT, P, INT, P, P, I64, I64, I64, INT],  # ..., parallel
     "kvscope_int4_tiles_pack": [P, P, P, I64, I64],
     "kvscope_int4_tiles_ready": [],
     "kvscope_kv_write": [P, I64, I64, I64, P, P, P, P, P, P, INT],
@@ -68,7 +70,7 @@ SIGNATURES = {
 
 
 RETURNS_STATUS = ("kvscope_paged_decode", "kvscope_gemm", "kvscope_int4_gemm",
-                  "kvscope_int4_tiles_gemm", "kvscope_int4_tiles_ready",
+                  "kvscope_int8_gemm", "kvscope_int4_tiles_gemm", "kvscope_int4_tiles_ready",
                   "kvscope_decode_step", "kvscope_amx_ready",
                   "kvscope_amx_fits", "kvscope_dpbf16_fits")
 
@@ -97,15 +99,33 @@ def library() -> ctypes.CDLL | None:
     for flags in FLAG_SETS:
         key = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
         lib = _load(compiler, flags, f"kvscope-cpu-{key}.so")
-        if lib is None:
-            continue
-        lib.kvscope_init_tables()
-        for name, args in SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes = args
-            fn.restype = ctypes.c_int if name in RETURNS_STATUS else None
-        return lib
+        if lib is not None:
+            return _configured(lib)
     return None
+
+
+@functools.cache
+def variant(march: str) -> ctypes.CDLL | None:
+    """The kernels built for the instruction set `march` (a -march value such as
+    "x86-64-v3": AVX2 and FMA) rather than this CPU's best, loaded beside `library()`; None
+    if that build fails. For the tests, which run each kernel on every instruction set the
+    machine has: the engine always runs `library()`."""
+    import torch  # noqa: F401 - first, as in library()
+    compiler = os.environ.get("CC", "cc")
+    flags = ["-O3", f"-march={march}", "-fopenmp"]
+    source = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
+    key = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    lib = _load(compiler, flags, f"kvscope-cpu-{key}.so")
+    return None if lib is None else _configured(lib)
+
+
+def _configured(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.kvscope_init_tables()
+    for name, args in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = args
+        fn.restype = ctypes.c_int if name in RETURNS_STATUS else None
+    return lib
 
 
 def require_library() -> ctypes.CDLL:

@@ -72,6 +72,7 @@ def instrument(model) -> dict[str, Clock]:
     model_module.write_kv = clocks["kv_write"].wrap(model_module.write_kv)
     fused.attention = clocks["attention"].wrap(fused.attention)
     fused.int4 = clocks["matmul"].wrap(fused.int4)
+    fused.int8 = clocks["matmul"].wrap(fused.int8)
     fused.dense = clocks["matmul"].wrap(fused.dense)
     if not model.fused_decode:  # a fused step passes the linears to fused.int4/dense
         for layer in model.layers:

@@ -3,7 +3,7 @@ matmuls on this machine, with the candidates' times, whether each was measured n
 in the per-machine cache, and the machine key they are valid for.
 
 It asks for the decisions a run of the model would ask for (each distinct weight shape,
-dense or 4-bit (int4 weights, and int8 ones, which are stored as two 4-bit halves), at every
+dense, 4-bit or int8 (kernels/cpu_int8.py: its thread split), at every
 row bucket up to the concurrency, the layers' weights also at the prefill
 bucket; the LM head only ever sees one row per sequence), so the first run on a machine
 measures them and later runs print the cache. --remeasure-kernels measures them again (a
@@ -18,7 +18,7 @@ import torch
 
 def model_decisions(model: Any, concurrency: int) -> list[tuple[Any, int]]:
     """(linear, rows) of every decision the model's matmuls need up to `concurrency` rows:
-    dense weights the native kernel takes, and 4-bit (and int8, stored as 4-bit) ones."""
+    dense weights the native kernel takes, 4-bit ones and int8 ones."""
     from kvscope.kernels import cpu_linear
 
     decode = sorted({cpu_linear.bucket(r) for r in range(1, concurrency + 1)})
@@ -42,7 +42,9 @@ def _decision_shape(lin: Any) -> tuple[object, ...] | None:
 
     if isinstance(lin, DenseLinear) and lin.native:
         return (lin.weight.dtype, tuple(lin.weight.shape))
-    if isinstance(lin, Int4Linear | Int8Linear):
+    if isinstance(lin, Int8Linear):
+        return ("int8", *lin.shape) if lin.native else None
+    if isinstance(lin, Int4Linear):
         n, k = lin.scale_zero.shape[1], lin.in_features
         # the tiles' layout has one kernel: what was chosen is the family ("int4 kernels")
         return ("int4", n, k) if cpu_int4.supports(n, k) and lin.tiles is None else None
@@ -51,9 +53,11 @@ def _decision_shape(lin: Any) -> tuple[object, ...] | None:
 
 def _name(lin: Any, rows: int) -> str:
     """The chooser's name for the decision of `rows` rows through this linear."""
-    from kvscope.engine.model.weight_formats import DenseLinear
-    from kvscope.kernels import cpu_int4, cpu_linear, kernel_choice
+    from kvscope.engine.model.weight_formats import DenseLinear, Int8Linear
+    from kvscope.kernels import cpu_int4, cpu_int8, cpu_linear, kernel_choice
 
+    if isinstance(lin, Int8Linear):
+        return cpu_int8.decision_name(rows, *lin.shape)
     if not isinstance(lin, DenseLinear):
         return cpu_int4.decision_name(rows, lin.scale_zero.shape[1], lin.in_features)
     w, threads = lin.weight, torch.get_num_threads()
@@ -65,9 +69,14 @@ def _name(lin: Any, rows: int) -> str:
 
 def _ask(lin: Any, rows: int) -> None:
     """Make the decision for `rows` rows through this linear, unless it is made already."""
-    from kvscope.engine.model.weight_formats import DenseLinear
-    from kvscope.kernels import cpu_int4, cpu_linear
+    from kvscope.engine.model.weight_formats import DenseLinear, Int8Linear
+    from kvscope.kernels import cpu_int4, cpu_int8, cpu_linear
 
+    if isinstance(lin, Int8Linear):
+        n, k = lin.shape
+        if cpu_int8.implementation(rows, n, k) is None:
+            cpu_int8.int8_mm(torch.randn(rows, k), lin.codes, lin.scales)
+        return
     if isinstance(lin, DenseLinear):
         w = lin.weight
         cpu_linear.implementation(torch.randn(rows, w.shape[1]).to(w.dtype), w)

@@ -2,10 +2,10 @@
 
 Decoding one token reads every weight once, so a CPU decode is bound by weight bytes: 4-bit
 weights read 8x fewer bytes than float32. torch has a weight-only kernel for that on CPU,
-`_weight_int4pack_mm_for_cpu` (asymmetric 4-bit in groups of 32 along the input dimension);
-int8 runs on it too, as two 4-bit halves (Int8Linear). It wants bfloat16 activations and
-bfloat16 scales, so a quantized matmul rounds its input to bfloat16 and returns the model's
-dtype.
+`_weight_int4pack_mm_for_cpu` (asymmetric 4-bit in groups of 32 along the input dimension).
+It wants bfloat16 activations and bfloat16 scales, so a 4-bit matmul rounds its input to
+bfloat16 and returns the model's dtype. int8 has a native kernel of its own
+(kernels/cpu_int8.py) that takes the rows as they are.
 
 int4 is the format the embedded GGUF already has: its Q4_1 blocks are 32 weights sharing a
 scale d and a minimum m (w = d * q + m, q in 0..15). Quantizing the dequantized weights again
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kvscope.engine.config import WEIGHT_FORMATS
-from kvscope.kernels import cpu_int4, cpu_linear, ops
+from kvscope.kernels import cpu_int4, cpu_int8, cpu_linear, ops
 
 INT4_GROUP = 32
 # The packing kernel tiles output rows by 16.
@@ -78,37 +78,31 @@ class Int4Linear:
 
 class Int8Linear:
     """Weight-only int8 in groups of 32 (like GGUF's Q8_0): w = code * scale, code in
-    -127..127, scale = max |w| of the group / 127.
+    -127..127, scale = max |w| of the group / 127 (float32).
 
-    torch's int8 kernel (`_weight_int8pack_mm`) has one scale per output row and measured
-    slower here than the int4 one, so each code is split into two 4-bit halves,
-    code = 16 * hi + lo (hi in -8..7, lo in 0..15), stored as 2N rows of one int4 matrix:
-    rows [0, N) give hi * (16 * scale), rows [N, 2N) give lo * scale, and y is their sum.
-    One int4 call, exact for the codes.
+    On the CPU's native kernels (kernels/cpu_int8_gemm.c) the codes are read in place, one
+    fused multiply-add a weight, from float32 or bfloat16 rows without rounding them; the
+    fused decode step takes these weights too. Without the native kernels (none built, or
+    KVSCOPE_CPU_KERNELS=off) the weight is dequantized for each call and multiplied by torch:
+    correct, and slow. (int8 had run as two 4-bit halves on the int4 kernel: twice its
+    dequantization work for the same bytes, its input rounded to bfloat16, off the fused step.)
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = weight.shape
-        n, k = weight.shape
-        groups = weight.float().reshape(n, k // INT4_GROUP, INT4_GROUP)
-        scale = (groups.abs().amax(dim=-1) / 127).clamp_min(1e-12)    # [N, K/32]
-        codes = (groups / scale[..., None]).round().clamp(-127, 127).to(torch.int32)
-        hi = torch.div(codes, 16, rounding_mode="floor")
-        lo = codes - 16 * hi
-        halves = torch.cat([hi + 8, lo]).reshape(2 * n, k)
-        # (code - 8) * scale + zero: hi rows scale 16 * s, zero 0; lo rows scale s, zero 8 * s.
-        scales = torch.cat([16 * scale, scale])
-        zeros = torch.cat([torch.zeros_like(scale), 8 * scale])
-        scale_zero = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
-        self.scale_zero = scale_zero.to(KERNEL_DTYPE)
-        self.packed, self.tiles = int4_layout(
-            torch.ops.aten._convert_weight_to_int4pack_for_cpu(halves, 1), self.scale_zero)
+        codes, scales = cpu_int8.quantize(weight)
+        self.codes, self.scales = cpu_int8.pack(codes, scales)
+        self.native = cpu_int8.supports(self.out_features, self.in_features)
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        lead, n = x.shape[:-1], self.out_features
-        y = int4_mm(x.reshape(-1, self.in_features), self)
-        y = (y[:, :n] + y[:, n:]).view(*lead, n)
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, self.in_features)
+        if self.native and x.dtype in cpu_int8.KINDS:
+            y = cpu_int8.int8_mm(rows, self.codes, self.scales)
+        else:
+            y = F.linear(rows.float(), cpu_int8.dequantize(self.codes, self.scales)).to(x.dtype)
+        y = y.view(*lead, self.out_features)
         return y if self.bias is None else y + self.bias
 
     @property
@@ -116,8 +110,7 @@ class Int8Linear:
         return self.out_features, self.in_features
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.packed, self.tiles, self.scale_zero, self.bias)
-                if t is not None]
+        return [t for t in (self.codes, self.scales, self.bias) if t is not None]
 
 
 # A matmul weight in any of the formats: called as linear(x), with .shape (out, in), .bias and
@@ -156,7 +149,7 @@ def int4_layout(packed: torch.Tensor, scale_zero: torch.Tensor
     return packed, None
 
 
-def int4_mm(x: torch.Tensor, linear: Int4Linear | Int8Linear) -> torch.Tensor:
+def int4_mm(x: torch.Tensor, linear: Int4Linear) -> torch.Tensor:
     """x [M, K] times the 4-bit weight, [M, N] in x's dtype, through bfloat16.
 
     Splitting a float32 x into two bfloat16 rows (head and remainder) was tried: greedy
@@ -167,7 +160,7 @@ def int4_mm(x: torch.Tensor, linear: Int4Linear | Int8Linear) -> torch.Tensor:
     return int4_mm_bf16(xb, linear).to(x.dtype)
 
 
-def int4_mm_bf16(x: torch.Tensor, linear: Int4Linear | Int8Linear) -> torch.Tensor:
+def int4_mm_bf16(x: torch.Tensor, linear: Int4Linear) -> torch.Tensor:
     """bfloat16 x [M, K] times the 4-bit weight, [M, N] bfloat16, in its layout's kernels."""
     scale_zero = linear.scale_zero
     if linear.tiles is not None:

@@ -8,6 +8,7 @@ import torch
 
 from kvscope.engine.model.weight_formats import dequantize_int4, int4_mm, quantize_int4
 from kvscope.kernels import cpu_int4, native
+from tests.kernels.isa_builds import build, levels
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler here")
 
@@ -85,6 +86,25 @@ def test_both_packings_give_the_same_bits(block, m, parallel):
     mine = cpu_int4.pack_reference(codes, block)
     assert torch.equal(cpu_int4.native_int4(x, mine, sz, parallel, block=block),
                        cpu_int4.torch_int4(x, packed, sz))
+
+
+@pytest.mark.parametrize("level", levels())
+@pytest.mark.parametrize("block", cpu_int4.TORCH_BLOCKS)
+@pytest.mark.parametrize("n", [2048, 2112])
+def test_one_row_over_many_blocks_gives_torchs_bits(level, block, n):
+    # a decode's single row runs 8 chains at once from 32 blocks up (two blocks a unit of
+    # work, 2112 = 33 blocks of 64 ending in a unit of one), on every instruction set here
+    codes, _, packed, sz = weight(n, 64)
+    x = rows(1, 64)
+    want = cpu_int4.torch_int4(x, packed, sz)
+    mine = cpu_int4.pack_reference(codes, block)
+    lib = build(level)
+    for parallel in (True, False):
+        got = cpu_int4.native_int4(x, mine, sz, parallel, block=block, lib=lib)
+        if level == "x86-64-v2":  # no FMA instruction: each product rounds before its sum
+            assert (got.float() - want.float()).abs().max() <= 2 ** -7 * want.abs().max()
+        else:
+            assert torch.equal(got, want)
 
 
 def test_a_packing_the_kernel_cannot_read_is_refused(monkeypatch):

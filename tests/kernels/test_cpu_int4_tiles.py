@@ -86,15 +86,17 @@ def test_the_tiles_layout_is_the_same_bytes_reordered():
 
 @needs_tiles
 def test_linears_hold_one_layout_and_compute_through_it(monkeypatch):
-    """In the tiles family an Int4Linear / Int8Linear keeps only the tiles' layout, and both
-    still compute their weight (Int8Linear: its two 4-bit halves, summed)."""
+    """In the tiles family an Int4Linear keeps only the tiles' layout and still computes its
+    weight; an Int8Linear is the int8 kernel's in either family (kernels/cpu_int8.py)."""
     monkeypatch.setattr(cpu_int4, "_family", cpu_int4.TILES)
     w = torch.randn(128, 96, generator=torch.Generator().manual_seed(3)) / 10
     x = torch.randn(5, 96)
     want = x.double() @ w.double().T
     on_tiles = Int4Linear(w)
-    for linear, tol in ((on_tiles, 0.15), (Int8Linear(w), 0.02)):
-        assert linear.packed is None and linear.tiles is not None
+    assert on_tiles.packed is None and on_tiles.tiles is not None
+    int8 = Int8Linear(w)
+    assert not hasattr(int8, "tiles")
+    for linear, tol in ((on_tiles, 0.15), (int8, 0.02)):
         got = linear(x).double()
         assert (got - want).norm() / want.norm() < tol, type(linear).__name__
     monkeypatch.setattr(cpu_int4, "_family", cpu_int4.FMA)

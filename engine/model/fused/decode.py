@@ -17,9 +17,10 @@ windows (gemma3's sliding layers with their own RoPE tables) and gemma2's score 
 attention call. engine.model.fused.model_view says what a family would need that is not here; such a
 model takes its ordinary forward.
 
-Two kinds of model qualify: a float32 model whose every matmul is int4 without bias (the matmul rows
-in and out are bfloat16, as torch's int4 kernel takes and gives them), or a float32 or bfloat16
-model whose every matmul is dense without bias (rows in the model's dtype). It runs when every row
+Three kinds of model qualify: a float32 model whose every matmul is int4 without bias (the matmul
+rows in and out are bfloat16, as torch's int4 kernel takes and gives them), or a float32 or
+bfloat16 model whose every matmul is dense, or int8 (kernels/cpu_int8.py), without bias (rows in
+the model's dtype). It runs when every row
 of the step decodes, or its prompt tokens are few (each becomes a row of its own,
 engine.model.fused.rows; speculative drafts always do), and the pool holds float32, bfloat16, int8
 or fp8 K/V (rotated, K-balanced and anchored as the pool is: the RoPE call stores K/V through the
@@ -52,8 +53,14 @@ from kvscope.engine.model.fused.model_view import (
     FusedModel,
     FusedPool,
 )
-from kvscope.engine.model.weight_formats import DenseLinear, Int4Linear, Linear, int4_mm_bf16
-from kvscope.kernels import cpu_attention, cpu_linear, native
+from kvscope.engine.model.weight_formats import (
+    DenseLinear,
+    Int4Linear,
+    Int8Linear,
+    Linear,
+    int4_mm_bf16,
+)
+from kvscope.kernels import cpu_attention, cpu_int8, cpu_linear, native
 from kvscope.kernels.anchors import Anchors
 from kvscope.kernels.attention_ref import AttentionMetadata
 
@@ -63,6 +70,13 @@ def int4(x: torch.Tensor, linear: Linear) -> torch.Tensor:
     if not isinstance(linear, Int4Linear):  # matmul_plan chose int4 for every matmul
         raise TypeError(f"an int4 decode step got a {type(linear).__name__}")
     return int4_mm_bf16(x, linear)
+
+
+def int8(x: torch.Tensor, linear: Linear) -> torch.Tensor:
+    """x [T, in] in the model's dtype -> [T, out] in the same dtype."""
+    if not isinstance(linear, Int8Linear):  # matmul_plan chose int8 for every matmul
+        raise TypeError(f"an int8 decode step got a {type(linear).__name__}")
+    return cpu_int8.int8_mm(x, linear.codes, linear.scales)
 
 
 def dense(x: torch.Tensor, linear: Linear) -> torch.Tensor:
@@ -138,7 +152,9 @@ class Step:
         return int(self.io_dtype == BF16)
 
     def mm(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
-        # int4 rows are bfloat16 in a float32 model; dense rows are the model's dtype
+        # int4 rows are bfloat16 in a float32 model; dense and int8 rows the model's dtype
+        if isinstance(linear, Int8Linear):
+            return int8(x, linear)
         return dense(x, linear) if self.io_dtype == self.model.dtype else int4(x, linear)
 
 

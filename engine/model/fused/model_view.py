@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from kvscope.engine.model.fused import rows as fused_rows
-from kvscope.engine.model.weight_formats import DenseLinear, Int4Linear, Linear
+from kvscope.engine.model.weight_formats import DenseLinear, Int4Linear, Int8Linear, Linear
 from kvscope.kernels import cpu_attention, native, ops
 from kvscope.kernels.attention_ref import AttentionMetadata
 from kvscope.kernels.k_balance import KBalanceLayer
@@ -135,7 +135,7 @@ def _family_reason(model: object) -> str | None:
 
 def matmul_plan(model: FusedModel) -> tuple[torch.dtype | None, str | None]:
     """(rows, why not): rows, the dtype of the matmuls' input/output rows if the model's
-    decode steps can fuse (bfloat16 for int4, the model's dtype for dense), else None; why
+    decode steps can fuse (bfloat16 for int4, the model's dtype for dense and int8), else None; why
     not: why this model's matmuls keep its decode off the fused step,
     None when they do not or when the model is not on the CPU's native kernels at all (where
     nothing fuses by design). A reason is logged once, like unsupported_reason's."""
@@ -164,6 +164,8 @@ def _matmul_plan(model: FusedModel) -> tuple[torch.dtype | None, str | None]:
         return BF16, None
     if all(isinstance(x, DenseLinear) and x.native for x in linears):
         return model.dtype, None
+    if all(isinstance(x, Int8Linear) and x.native for x in linears):
+        return model.dtype, None  # the int8 kernel takes and gives the model's rows
     kinds = sorted({type(x).__name__ for x in linears})
     return None, f"{why} these weights ({', '.join(kinds)} in a {model.dtype} model)"
 

@@ -25,8 +25,8 @@ import torch
 
 from kvscope.engine.model.fused.model_view import FusedModel
 from kvscope.engine.model.step_interrupt import StepInterrupted
-from kvscope.engine.model.weight_formats import DenseLinear, Int4Linear, Linear
-from kvscope.kernels import cpu_attention, cpu_int4, cpu_linear, native
+from kvscope.engine.model.weight_formats import DenseLinear, Int4Linear, Int8Linear, Linear
+from kvscope.kernels import cpu_attention, cpu_int4, cpu_int8, cpu_linear, native
 from kvscope.kernels.attention_ref import AttentionMetadata
 
 # engine.model.fused.decode's PoolPlan: it imports this module, so importing it here, even for type
@@ -41,6 +41,8 @@ MATMULS = ("qkv", "o_proj", "gate_up", "down")
 
 
 class StepMatmul(ctypes.Structure):
+    # int4: 0 dense, 1 torch's int4 packing, 2 the AMX tiles' layout, 3 int8 (scale_zero:
+    # the int8 scales)
     _fields_ = [("w", P), ("scale_zero", P), ("n", I64), ("k", I64), ("int4", I64),
                 ("paths", I64),  # paths: set per step from the chosen implementation
                 ("block", I64)]  # torch's int4 packing width (kernels/cpu_int4.py)
@@ -161,6 +163,8 @@ def _matmul(linear: Linear, keep: list[torch.Tensor]) -> StepMatmul:
         assert linear.packed is not None  # one of the two layouts is always kept
         return StepMatmul(linear.packed.data_ptr(), linear.scale_zero.data_ptr(), n, k, 1, 0,
                           cpu_int4.torch_block() or 0)
+    if isinstance(linear, Int8Linear):  # int4 = 3: the int8 kernel, codes and scales
+        return StepMatmul(linear.codes.data_ptr(), linear.scales.data_ptr(), n, k, 3)
     if not isinstance(linear, DenseLinear) or not linear.weight.is_contiguous():
         raise TypeError(f"a one-region decode step got a {type(linear).__name__}")
     keep.append(linear.weight)
@@ -201,6 +205,8 @@ def _native_paths(matmuls: Sequence[Linear], rows: int, io_dtype: torch.dtype,
             # the tiles' kernels are the only ones for their layout: nothing to choose
             impl = cpu_int4.TILES if linear.tiles is not None \
                 else cpu_int4.implementation(rows, n, k)
+        elif isinstance(linear, Int8Linear) and linear.native:
+            impl = cpu_int8.implementation(rows, n, k)  # a thread split: never torch's
         elif isinstance(linear, DenseLinear) and linear.native:
             impl = cpu_linear.chosen(io_dtype, n, k, rows)
             if impl == cpu_linear.TORCH and instead_of_torch:

@@ -38,7 +38,8 @@ def capture_decode_step(llm, prompts):
     return seen[0]
 
 
-MODELS = [("int4", "float32"), ("dense", "float32"), ("dense", "bfloat16")]
+MODELS = [("int4", "float32"), ("dense", "float32"), ("dense", "bfloat16"), ("int8", "float32"),
+          ("int8", "bfloat16")]
 
 
 @pytest.mark.parametrize(("weights", "dtype"), MODELS)
@@ -62,25 +63,34 @@ def test_a_fused_step_computes_what_the_torch_step_does(tiny, kv_dtype, weights,
     # int4: both round each matmul input to bfloat16 (2^-9); the rounding order differs, so a
     # few elements land on the other side of a bfloat16 step and carry through the layers.
     # dense bfloat16: likewise, and the torch step also rounds the residual stream.
-    # dense float32: only float32 rounding order differs.
-    bound = 1e-5 if dtype == "float32" and weights == "dense" else 2e-2
+    # dense and int8 float32: only float32 rounding order differs (int8: the same kernel in
+    # both, kernels/cpu_int8_gemm.c, which takes the float32 rows as they are).
+    exact = dtype == "float32" and weights in ("dense", "int8")
+    bound = 1e-5 if exact else 2e-2
     assert float((fused - plain).abs().max() / plain.abs().max()) < bound
-    exact = dtype == "float32" and weights == "dense"
     tol = 1e-2 if kv_dtype == "bfloat16" or dtype == "bfloat16" else (1e-5 if exact else 1e-3)
     # A bfloat16 model's torch step rounds the residual stream to bfloat16 after every add and
     # this one keeps it in float32, so past the first layer their K/V part by more than
     # rounding order; the first layer's must still agree.
     layers = 1 if dtype == "bfloat16" else len(pool.caches)
     for (k, v), kp, vp in list(zip(pool.caches, k_plain, v_plain, strict=True))[:layers]:
+        # A bfloat16 model's torch step turns K in bfloat16, k cos + rot(k) sin with each
+        # product rounded: where the two cancel, its error is a step of |k|, not of the
+        # result (an int8 model's first K: 0.107 against 0.094 of keys up to ~1), so K's
+        # tolerance there scales with the largest key.
+        k_atol = tol * max(1.0, float(kp.float().abs().max())) if dtype == "bfloat16" else tol
         torch.testing.assert_close(k.view(-1, *k.shape[2:])[slots].float(), kp.float(),
-                                   rtol=tol, atol=tol)
+                                   rtol=tol, atol=k_atol)
         torch.testing.assert_close(v.view(-1, *v.shape[2:])[slots].float(), vp.float(),
                                    rtol=tol, atol=tol)
     assert torch.equal(model.compute_logits(fused).argmax(-1),
                        model.compute_logits(plain).argmax(-1))
 
 
-@pytest.mark.parametrize(("weights", "dtype"), MODELS)
+# A bfloat16 model's torch step rounds its residual stream to bfloat16 and the fused one does
+# not, so their greedy tokens may part at a near tie (int8 weights in a bfloat16 model did at
+# the 4th token of one prompt here); its steps are compared above, within their tolerance.
+@pytest.mark.parametrize(("weights", "dtype"), [m for m in MODELS if m != ("int8", "bfloat16")])
 def test_greedy_tokens_equal_with_and_without_fusion(tiny, weights, dtype):  # noqa: F811
     prompts = [[5, 9, 2, 7, 1], [3] * 11, [8, 4], list(range(40, 70))]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -95,7 +105,7 @@ def test_greedy_tokens_equal_with_and_without_fusion(tiny, weights, dtype):  # n
 
 def test_it_stands_aside_where_it_does_not_apply(tiny):  # noqa: F811
     assert not make_llm(tiny, weights="dense", dtype="float16").engine.model.fused_decode
-    assert not make_llm(tiny, weights="int8").engine.model.fused_decode
+    assert make_llm(tiny, weights="int8").engine.model.fused_decode  # kernels/cpu_int8.py
     # a float16 pool takes the torch path (int8 and fp8 fuse:
     # tests/engine/model/fused/test_fused_quantized.py)
     _, _, meta, pool = capture_decode_step(make_llm(tiny, "float16"), [[1, 2, 3]])

@@ -74,10 +74,16 @@ def assert_same(a, b):
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8", "fp8"])
-@pytest.mark.parametrize("weights", ["int4", "dense"])
+@pytest.mark.parametrize("weights", ["int4", "dense", "int8"])
 def test_one_region_equals_the_kernel_by_kernel_step(tiny, kv_dtype, weights, monkeypatch):  # noqa: F811
     by_kernel, one, _ = both_ways(make_llm(tiny, weights, kv_dtype=kv_dtype), PROMPTS,
                                   monkeypatch)
+    assert_same(by_kernel, one)
+
+
+def test_one_region_takes_int8_weights_in_a_bfloat16_model(tiny, monkeypatch):  # noqa: F811
+    # the int8 kernel widens the bfloat16 rows and rounds its output, in both ways alike
+    by_kernel, one, _ = both_ways(make_llm(tiny, "int8", "bfloat16"), PROMPTS, monkeypatch)
     assert_same(by_kernel, one)
 
 
