@@ -3,6 +3,7 @@
     kvscope bench [--quick] [--json] [--profile] [--concurrency N] [engine options]
     kvscope bench --kernels [--remeasure-kernels] [engine options]
     kvscope bench --long-context [engine/measure/long_context.py options]
+    kvscope bench --sizes [engine/measure/sizes.py options]
     make bench
 
 The workload, the Hugging Face baseline and the report are engine/measure/bench.py's; this
@@ -54,6 +55,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="decode and prefill tok/s against context per KV dtype beside "
                         "llama.cpp (engine/measure/long_context.py); the options after it are "
                         "its own")
+    b.add_argument("--sizes", nargs=argparse.REMAINDER, default=None, metavar="OPTION",
+                   help="kvscope beside llama.cpp at 1-3B shapes (random weights) per weight "
+                        "format (engine/measure/sizes.py); the options after it are its own")
     b.add_argument("--profile", action="store_true",
                    help="report where engine step time goes (model forward vs the rest) "
                         "and the host overhead per step")
@@ -70,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
     if args.long_context is not None:
         from kvscope.engine.measure import long_context
         return long_context.main(args.long_context)
+    if args.sizes is not None:
+        from kvscope.engine.measure import sizes
+        return sizes.main(args.sizes)
     if args.kernels:
         return print_kernels(args)
     try:

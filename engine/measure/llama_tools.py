@@ -9,7 +9,12 @@ run as child processes and their printed output is parsed.
   averaged over -r repetitions). `-p 0 -n N -d D` times N decode steps after D tokens of
   context; `-p P -n 0` times a prefill of P tokens.
 * llama-batched-bench prints a markdown table (PP, TG, B, N_KV, T_PP s, S_PP t/s, ...);
-  S_PP at B = 1 is the prefill tok/s of one request.
+  S_PP at B = 1 is the prefill tok/s of one request, and S t/s = (PP + TG) x B / seconds the
+  rate of B requests at once.
+* `convert_hf_to_gguf.py` (in llama.cpp's source tree, with its `gguf-py` beside it) writes a
+  Hugging Face checkpoint as a GGUF; `llama-quantize IN OUT TYPE` re-encodes one (Q4_0, Q8_0).
+  The source tree is --llama-src, else `$LLAMA_SRC`, else the folder three levels above
+  llama-bench (llama.cpp/build/bin/llama-bench).
 """
 from __future__ import annotations
 
@@ -21,6 +26,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 ENV = "LLAMA_BIN"
+SRC_ENV = "LLAMA_SRC"
+CONVERTER = "convert_hf_to_gguf.py"
 # llama.cpp's KV types side by side with kvscope's: f16, its default, and q8_0, which needs
 # flash attention for a quantized V.
 KV_FLAGS: dict[str, list[str]] = {"f16": [], "q8_0": ["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "1"]}
@@ -115,14 +122,67 @@ def batched_prefill_rates(text: str) -> dict[int, float]:
     return {int(r["PP"]): float(r["S_PP t/s"]) for r in rows if r.get("B") == "1"}
 
 
-def run_tool(command: list[str], timeout: float) -> str:
-    """The command's stdout; a failure raises RuntimeError with the end of its stderr."""
+def run_tool(command: list[str], timeout: float, env: dict[str, str] | None = None) -> str:
+    """The command's stdout; a failure raises RuntimeError with the end of its stderr. env:
+    its environment (default: this process's)."""
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                              check=False)
+                              check=False, env=env)
     except subprocess.TimeoutExpired as e:
         raise RuntimeError(f"{Path(command[0]).name} ran past {timeout:.0f} s") from e
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed ({proc.returncode}): "
                            f"{proc.stderr.strip()[-600:]}")
     return proc.stdout
+
+
+def find_converter(src_dir: str | None = None, bench: Path | None = None) -> Path | None:
+    """llama.cpp's convert_hf_to_gguf.py in src_dir, else $LLAMA_SRC, else the source tree
+    llama-bench was built in; None if nowhere."""
+    folders = [src_dir, os.environ.get(SRC_ENV)]
+    if bench is not None:
+        folders.append(str(Path(bench).resolve().parent.parent.parent))
+    for folder in folders:
+        if folder and (Path(folder).expanduser() / CONVERTER).is_file():
+            return Path(folder).expanduser() / CONVERTER
+    return None
+
+
+def convert_command(python: str, converter: Path, checkpoint: Path, out: Path,
+                    outtype: str = "f16") -> list[str]:
+    """The converter writing `checkpoint` (a Hugging Face folder) as one GGUF file."""
+    return [python, str(converter), str(checkpoint), "--outfile", str(out), "--outtype", outtype]
+
+
+def converter_env(converter: Path) -> dict[str, str]:
+    """The environment the converter runs in: its own gguf-py first on PYTHONPATH (the gguf
+    package of the same llama.cpp), then whatever PYTHONPATH held (sentencepiece, which it
+    imports)."""
+    env = dict(os.environ)
+    paths = [str(converter.parent / "gguf-py"), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    return env
+
+
+def quantize_command(tool: Path, source: Path, out: Path, kind: str, threads: int) -> list[str]:
+    """llama-quantize re-encoding a GGUF as `kind` (Q4_0, Q8_0, ...)."""
+    return [str(tool), str(source), str(out), kind, str(threads)]
+
+
+def batched_command(tool: Path, gguf: str, prompt: int, tokens: int, batches: Iterable[int],
+                    threads: int) -> list[str]:
+    """llama-batched-bench: B requests of `prompt` tokens each generating `tokens`, for each
+    B, in a context that holds the largest batch."""
+    batches = list(batches)
+    return [str(tool), "-m", gguf, "-c", str((prompt + tokens) * max(batches) + 16),
+            "-npp", str(prompt), "-ntg", str(tokens), "-npl", _joined(batches),
+            "-t", str(threads)]
+
+
+def batched_rates(text: str) -> dict[int, float]:
+    """S t/s by B, from llama-batched-bench's table."""
+    rows = parse_markdown_table(text)
+    if not rows or "S t/s" not in rows[0]:
+        raise ValueError(f"llama-batched-bench printed no table: {text[-300:]!r}")
+    return {int(r["B"]): float(r["S t/s"]) for r in rows}
+

@@ -90,19 +90,23 @@ def test_4bit_weights_choose_between_torch_and_the_native_int4_kernel(tiny, caps
     monkeypatch.setattr(cpu_int4, "_family", cpu_int4.FMA)  # torch's layout: per-bucket choices
     got = kernels(tiny, capsys, "--weights", "int4")
     int4 = [d for d in got["decisions"] if d["op"] == "int4"]
-    # the layers' four shapes at each decode bucket and prefill; the head (256x64) is int8,
-    # stored as 512 rows of 4-bit halves, and sees decode rows only
+    # the layers' four shapes at each decode bucket and prefill; the head (256x64) is int8
+    # (kernels/cpu_int8.py: its thread split alone), and sees decode rows only
     assert {(d["shape"], d["rows"]) for d in int4} == {
         (s, r) for s in ("128x64", "64x64", "256x64", "64x128")
-        for r in ("<=1", "<=2", "<=4", "256+")} | {("512x64", r) for r in ("<=1", "<=2", "<=4")}
+        for r in ("<=1", "<=2", "<=4", "256+")}
     assert all(set(d["times_ms"]) == {"torch", "native", "native-serial"} for d in int4)
+    int8 = [d for d in got["decisions"] if d["op"] == "int8"]
+    assert {(d["shape"], d["rows"]) for d in int8} == {("256x64", r) for r in ("<=1", "<=2",
+                                                                              "<=4")}
+    assert all(set(d["times_ms"]) == {"native", "native-serial"} for d in int8)
     assert {d["choice"] for d in int4} == {"torch"}  # the fake timings' fastest
     # int4 weights store KV in bfloat16 by default: the prefill attention's dtype is chosen
     attn, = [d for d in got["decisions"] if d["op"] == "attn"]
     assert set(attn["times_ms"]) == {"float32", "bfloat16"} and attn["choice"] == "bfloat16"
     assert attn["shape"] == "4x2x16"
     again = kernels(tiny, capsys, "--weights", "int4")
-    assert {d["source"] for d in again["decisions"] if d["op"] in ("int4", "attn")} \
+    assert {d["source"] for d in again["decisions"] if d["op"] in ("int4", "int8", "attn")} \
         == {"cached"}
     dense = kernels(tiny, capsys)  # float32 KV: no attention decision
     assert not [d for d in dense["decisions"] if d["op"] == "attn"]
