@@ -49,6 +49,17 @@ def exit_text(code: int, crashed: bool) -> str:
         return f"was killed by signal {code}"
 
 
+def start_failure(how: str, tail: list[str]) -> str:
+    """Why a child ended before it was ready: one first line with the cause (its last
+    "error:" line, else its last line), then the lines before it, for the tooltip."""
+    cause = next((line for line in reversed(tail) if "error:" in line), tail[-1] if tail else "")
+    first = f"the engine did not start ({how.removeprefix('was ')})"
+    if not cause:
+        return first
+    rest = [line for line in tail if line != cause]
+    return f"{first}: {cause.split('error: ', 1)[-1]}" + "".join(f"\n{x}" for x in rest)
+
+
 class EngineProcess(QObject):
     ready = Signal(str, str)  # command endpoint, state endpoint
     failed = Signal(str)  # it exited (or could not start) before it was ready
@@ -123,9 +134,7 @@ class EngineProcess(QObject):
             return
         how = exit_text(code, status == QProcess.ExitStatus.CrashExit)
         if self.endpoints is None:
-            tail = "\n".join(list(self.stderr_tail)[-8:])
-            self.failed.emit(f"the engine {how} before it was ready"
-                             + (f":\n{tail}" if tail else ""))
+            self.failed.emit(start_failure(how, list(self.stderr_tail)[-8:]))
         else:
             self.exited.emit(code)
             self.exitedBecause.emit(f"the engine process {how}")

@@ -30,7 +30,7 @@ def in_window_words(message: str) -> str:
     lines = []
     for line in text.split("\n"):
         key = line.strip()
-        if key and key in seen:
+        if key and any(key in earlier for earlier in seen):  # said already, maybe inside one
             continue
         seen.add(key)
         lines.append(line)

@@ -431,16 +431,21 @@ class MainWindow(QMainWindow):
         self.controls.show_applied(config)
 
     def on_engine_dead(self, reason: str) -> None:
+        """Everything says the engine is gone; the reason is said once, in full, in the status
+        bar (its first line there, the rest in the tooltip), and short elsewhere."""
         if self.closed:
             return
-        self.status.mark_dead(reason, exited=True)
-        self.chat.set_engine_alive(False, f"the engine is dead: {self.status.dead_reason}")
+        headline, _, details = reason.partition("\n")
+        self.status.mark_dead(headline, exited=True)  # the first reason stays
+        if details and self.status.dead_reason == headline:
+            self.status.engine_label.setToolTip(f"{headline}\n{details}")
+        self.chat.set_engine_alive(False, self.status.dead_reason)
         self.kv_calculator.fits.set_device(None)  # that device's free memory is no longer known
         self.device_panel.mark_stale("engine dead")
         # What it left on screen stays, greyed and marked old, until a new engine's first frame.
         self.block_map.mark_stale(self.status.dead_reason)
         self.plots.mark_stale(self.status.dead_reason)
-        self.chat.fail_all(f"engine died: {reason}")
+        self.chat.fail_all(f"engine died: {headline}")
         self.load.fail_all()
         if self.controls.busy:
             self.controls.show_refused(f"engine died: {reason}")

@@ -634,7 +634,7 @@ class ChatPanel(QWidget):
         if turn is not None:
             phase = f"● {turn.phase_text()}"
         elif self._engine_state == DEAD:
-            phase = f"{stale.NOTE} {self._engine_reason}".rstrip()
+            phase = f"{stale.NOTE} Send waits for a restart"  # why: the status bar
         elif self._engine_state == LOADING:
             phase = f"● {self._engine_reason}"
         else:
@@ -659,10 +659,11 @@ class ChatPanel(QWidget):
         placeholder = {ALIVE: PLACEHOLDER,
                        LOADING: f"{self._engine_reason}: a message sent now waits for the "
                                 "engine",
-                       DEAD: f"Engine unavailable ({self._engine_reason}): restart it to "
-                             "send"}[self._engine_state]
+                       DEAD: "Engine unavailable: Send waits for a restart"}[
+            self._engine_state]
         if placeholder != self.input.placeholderText():
             self.input.setPlaceholderText(placeholder)
+            self.input.viewport().update()  # Qt repaints a changed placeholder only sometimes
         self.stop_button.setEnabled(busy)
         messages = view.conversation.messages if view is not None else []
         self.regenerate_button.setEnabled(not busy and self._engine_state != DEAD

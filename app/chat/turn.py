@@ -156,5 +156,6 @@ class Turn:
             parts.append(f"priority {self.priority}")
         if self.num_drafts:
             parts.append(acceptance_text(self.num_drafts, self.num_accepted))
-        parts.append(f"stop: {self.finish_reason or self.error or '?'}")
+        # A failure's reason is on the line above the stats (the view's ⚠ note): once.
+        parts.append(f"stop: {self.finish_reason or ('failed' if self.error else '?')}")
         return " · ".join(parts)

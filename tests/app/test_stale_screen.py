@@ -156,8 +156,10 @@ def test_a_dead_engine_is_said_in_the_chat_and_its_meter_greyed(qtbot):
     chat = ChatPanel()
     qtbot.addWidget(chat)
     chat.set_engine_alive(False, f"the engine is dead: {REASON}")
-    assert chat.phase_label.text().startswith(stale.NOTE) and "SIGKILL" in \
-        chat.phase_label.text()
+    # Said, not repeated: the reason is the status bar's (and the Send button's tooltip).
+    assert chat.phase_label.text().startswith(stale.NOTE) and "restart" in \
+        chat.phase_label.text() and "SIGKILL" not in chat.phase_label.text()
+    assert "SIGKILL" in chat.send_button.toolTip()
     assert chat.context_label.text().startswith(stale.NOTE)
     assert "restart" in chat.input.placeholderText()
     chat.set_engine_alive(True)
@@ -165,12 +167,42 @@ def test_a_dead_engine_is_said_in_the_chat_and_its_meter_greyed(qtbot):
 
 
 def test_a_pool_too_small_for_one_block_names_the_windows_control_once():
+    from kvscope.app.engine_process import start_failure
     from kvscope.app.engine_words import in_window_words
 
     error = ("kvscope serve: error: EngineConfig.kv_cache_bytes=1000 is invalid: one block of "
              "16 tokens needs 368640 bytes")
-    message = in_window_words("the engine exited with code 1 before it was ready:\n"
-                              f"{error}\n{error}")
-    assert "kv_cache_bytes" not in message
-    assert message.count("the KV memory budget (1000 B) is too small") == 1
-    assert "one block of 16 tokens needs 360.0 KiB" in message
+    message = in_window_words(start_failure("exited with code 2", ["loading the model", error]))
+    headline = message.split("\n")[0]
+    assert headline.startswith("the engine did not start (exited with code 2): the KV memory "
+                               "budget (1000 B) is too small: one block of 16 tokens needs "
+                               "360.0 KiB")
+    assert "kv_cache_bytes" not in message and message.count("is too small") == 1
+    assert message.split("\n")[1:] == ["loading the model"]
+
+
+def test_a_failed_start_is_said_once_in_the_chat(qtbot, tmp_path):
+    """The reason went into the reply's note and again into its stats line ("stop: ..."), and
+    whole into the chat's status line and its input: now once in the reply, in full in the
+    status bar, and short elsewhere."""
+    from PySide6.QtCore import QSettings
+
+    from kvscope.app.main_window import MainWindow
+
+    w = MainWindow(engine_args=[], settings=QSettings(str(tmp_path / "s.ini"),
+                                                      QSettings.Format.IniFormat))
+    qtbot.addWidget(w)
+    try:
+        w.chat.set_engine_loading("the engine is starting")
+        w.chat.input.setPlainText("hello")
+        w.chat.send()  # held until the engine is ready
+        w.on_engine_failed("the engine did not start (exited with code 2): kvscope serve: "
+                           "error: EngineConfig.kv_cache_bytes=1000 is invalid: one block of 16 "
+                           "tokens needs 368640 bytes\nloading the model")
+        said = "the KV memory budget (1000 B) is too small"
+        assert w.chat.conversation().toPlainText().count(said) == 1
+        assert said not in w.chat.phase_label.text() + w.chat.input.placeholderText()
+        assert said in w.status.engine_label.text() and "\n" not in w.status.engine_label.text()
+        assert "loading the model" in w.status.engine_label.toolTip()
+    finally:
+        w.shutdown()
