@@ -1,12 +1,26 @@
-"""Turns a scheduled step into one flattened varlen batch, runs the model, returns logits."""
+"""Turns a scheduled step into one flattened varlen batch, runs the model, returns logits.
+
+A step's metadata is built once, here, into preallocated buffers (engine.cuda_graphs.
+step_buffers: pinned and non-blocking on CUDA), and every layer reads the same tensors. A
+decode-only step with captured graphs (engine.cuda_graphs) replays its bucket's graph
+instead; `last_path` says which path the latest step took and why.
+"""
 from __future__ import annotations
 
+import logging
 from array import array
+from collections import Counter
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import overload
 
 import torch
 
+from kvscope.engine.cuda_graphs.backend import CudaGraphBackend, GraphBackend
+from kvscope.engine.cuda_graphs.dispatch import StepPath, choose_path
+from kvscope.engine.cuda_graphs.graph_runner import DecodeGraphs
+from kvscope.engine.cuda_graphs.self_check import self_check
+from kvscope.engine.cuda_graphs.step_buffers import StepBuffers
 from kvscope.engine.kv_cache.pool import KVPool
 from kvscope.engine.model.paged_decoder import PagedLlama
 from kvscope.engine.scheduling.scheduler import ScheduledSeq
@@ -14,17 +28,53 @@ from kvscope.engine.spec_decode.decoder import logit_rows
 from kvscope.kernels import native
 from kvscope.kernels.attention_ref import AttentionMetadata, DecodeGroup, group_decode_rows
 
+log = logging.getLogger("kvscope.engine.cuda_graphs")
+
+
+@dataclass
+class GraphStats:
+    status: str  # "on (cuda)", "on (recorded)", "off"
+    reason: str  # why off
+    sizes: list[int]
+    capture_s: float
+    graph_bytes: int
+    steps_by_path: dict[str, int]
+
 
 class ModelRunner:
-    def __init__(self, model: PagedLlama, pool: KVPool) -> None:
+    def __init__(self, model: PagedLlama, pool: KVPool, graphs: DecodeGraphs | None = None,
+                 graphs_off: str | None = "enforce_eager") -> None:
+        """`graphs`: the pool's captured decode graphs; None with `graphs_off` saying why."""
         self.model = model
         self.pool = pool
         self.device = model.device
         self.on_host = torch.device(self.device).type == "cpu"
+        self.buffers = StepBuffers(self.device)
+        self.graphs = graphs
+        self.graphs_off = None if graphs is not None else (graphs_off or "unavailable")
+        self.last_path = StepPath(0, "no step yet")
+        self.path_counts: Counter[str] = Counter()  # StepPath.label -> steps
+
+    def graph_stats(self) -> GraphStats:
+        """On or off and why, the buckets, the capture's time and memory, and the steps run
+        on each path (EngineStats' cuda_graph* fields)."""
+        report = self.graphs.report if self.graphs is not None else None
+        if report is None:
+            return GraphStats("off", self.graphs_off or "", [], 0.0, 0, dict(self.path_counts))
+        return GraphStats(f"on ({report.backend})", "", report.sizes, report.capture_s,
+                          report.graph_bytes, dict(self.path_counts))
+
+    def choose_path(self, batch: list[ScheduledSeq], drafted: bool) -> StepPath:
+        sizes = self.graphs.sizes if self.graphs is not None else []
+        return choose_path([item.num_tokens for item in batch], drafted, sizes, self.graphs_off)
 
     def run(self, batch: list[ScheduledSeq], drafted: bool = False) -> torch.Tensor:
         """Logits [S, vocab] for the sequences whose chunk reaches their last known token;
         `drafted`: and at every drafted position (engine.spec_decode.decoder.logit_rows)."""
+        path = self.last_path = self.choose_path(batch, drafted)
+        self.path_counts[path.label] += 1
+        if path.bucket:
+            return self.run_graphed(batch, path.bucket)
         input_ids, positions, meta, last_rows = self.prepare(batch)
         if drafted:
             last_rows = logit_rows(batch, meta.query_start_loc)
@@ -32,6 +82,33 @@ class ModelRunner:
         if not last_rows:
             return hidden.new_empty((0, self.model.shape.vocab_size))
         if len(last_rows) == hidden.shape[0]:  # all decode rows: no gather needed
+            return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
+
+    def run_graphed(self, batch: list[ScheduledSeq], size: int) -> torch.Tensor:
+        """A step of one token per sequence, replayed in the graph of bucket `size`."""
+        if self.graphs is None:
+            raise RuntimeError("run_graphed without captured graphs")
+        bs = self.pool.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        ctx_lens: list[int] = []
+        tables: list[list[int]] = []
+        last_rows: list[int] = []
+        for row, item in enumerate(batch):
+            seq = item.seq
+            start = seq.num_computed_tokens
+            table = seq.block_table
+            ids.append(seq.token_ids[start])
+            positions.append(start)
+            slots.append(table[start // bs] * bs + start % bs)
+            ctx_lens.append(start + 1)
+            tables.append(table)
+            if start + 1 == len(seq.token_ids):  # a one-token prefill chunk short of the end
+                last_rows.append(row)
+        hidden = self.graphs.run(ids, positions, slots, ctx_lens, tables, size)
+        if len(last_rows) == len(batch):
             return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
 
@@ -83,8 +160,7 @@ class ModelRunner:
             if end == len(seq.token_ids):
                 last_rows.append(row - 1)
         packed, width = pack_fields(ids, positions, slots, tables)
-        if not self.on_host:
-            packed = packed.to(self.device)
+        packed = self.buffers.load(packed)
         num_rows = len(ids)
         meta = AttentionMetadata(
             query_start_loc=starts,
@@ -180,3 +256,51 @@ def pack_fields(ids: list[int], positions: list[int], slots: list[int],
     for table in tables:
         flat += table + zeros[len(table):]
     return torch.frombuffer(array("q", flat), dtype=torch.long), width
+
+
+def default_graph_backend(device: str) -> GraphBackend | None:
+    """CUDA graphs on a CUDA device; None elsewhere (the CPU runs eagerly: a step's host work
+    is small beside its matmuls there, and the stand-in backend is for tests)."""
+    return CudaGraphBackend() if torch.device(device).type == "cuda" else None
+
+
+def runner_for(model: PagedLlama, pool: KVPool, backend: GraphBackend | None,
+               max_num_seqs: int, max_model_len: int, enforce_eager: bool) -> ModelRunner:
+    """The pool's runner, with decode graphs captured and self-checked when they can be; on
+    any failure the runner runs eagerly and the log, its stats and /metrics say why."""
+    reason = graphs_unavailable(pool, backend, enforce_eager)
+    if reason is not None:
+        return ModelRunner(model, pool, None, reason)
+    assert backend is not None  # graphs_unavailable said so
+    graphs = DecodeGraphs(model, pool, backend, max_num_seqs, max_model_len)
+    try:
+        graphs.capture()
+    except Exception as exc:  # noqa: BLE001 - any capture failure means: run eagerly
+        graphs.release()
+        reason = f"capture failed: {type(exc).__name__}: {exc}"
+        log.warning("decode graphs off, running eagerly: %s", reason)
+        return ModelRunner(model, pool, None, reason)
+    runner = ModelRunner(model, pool, graphs)
+    try:
+        problem = self_check(runner, max_model_len)
+    except Exception as exc:  # noqa: BLE001 - a self-check that cannot run is a failed one
+        problem = f"{type(exc).__name__}: {exc}"
+    if problem is not None:
+        graphs.release()
+        reason = f"self-check failed: {problem}"
+        log.warning("decode graphs off, running eagerly: %s", reason)
+        return ModelRunner(model, pool, None, reason)
+    return runner
+
+
+def graphs_unavailable(pool: KVPool, backend: GraphBackend | None,
+                       enforce_eager: bool) -> str | None:
+    """Why decode graphs are not even tried; None when they are."""
+    if enforce_eager:
+        return "enforce_eager"
+    if backend is None:
+        return "no graph backend on this device (CUDA only)"
+    if pool.anchor_table is not None:
+        # Anchor entries are claimed and filled per step on the host (engine.kv_cache.anchors).
+        return "anchor tokens (--kv-anchor-tokens 0 allows graphs on a 1-byte KV pool)"
+    return None
