@@ -13,7 +13,7 @@ import tomllib
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "kernels", "ipc", "app", "kvmath", "kvscope")
 ENGINE_SUBPACKAGES = {"cli", "server", "traces", "scheduling", "kv_cache", "model", "loading",
-                      "spec_decode", "measure"}
+                      "spec_decode", "measure", "cuda_graphs"}
 # engine/'s own modules: the engine loop, config and the LLM API, and the request's types.
 MAX_ENGINE_TOP_MODULES = 12
 OUTER = {"cli", "server", "traces"}
