@@ -12,7 +12,8 @@ is rounded to the residual's dtype (in a float32 model the two are one).
 A step's (token, expert) pairs are sorted by expert and every expert with tokens runs once
 over all of them (its gate|up and down matmuls), never token by token: a decode step of 16
 sequences at top-2 runs at most num_experts matmul pairs per layer, not 32. The weighted rows
-are scatter-added back in expert order, which is the order Hugging Face's own loop adds them.
+go back to token order and each token's k rows are summed in rank order, as Hugging Face's
+default experts implementation (grouped_mm) sums them.
 The router stays dense; the experts take the model's weight format (dense, int4 or int8).
 """
 from __future__ import annotations
@@ -135,6 +136,9 @@ def moe_mlp(x: torch.Tensor, experts: Experts, spec: MoeSpec, activation: str,
         outs.append(experts.down[e](activate(experts.gate_up[e](part), activation)))
         start += n
     y = torch.cat(outs) if len(outs) > 1 else outs[0]
-    weighted = (y * weights.reshape(-1)[order, None]).to(x.dtype)
-    # index_add_ on the CPU adds in index order: expert by expert, as Hugging Face does.
-    return torch.zeros_like(x).index_add_(0, tokens, weighted)
+    weighted = y * weights.reshape(-1)[order, None]
+    # Back to (token, rank) order and summed over the k ranks, as Hugging Face's default
+    # (grouped_mm) experts do; index_copy_ with a permutation moves each row once (CPU
+    # index_add_ measured 20 ms for 32 rows of 512).
+    unsorted = torch.empty_like(weighted).index_copy_(0, order, weighted)
+    return unsorted.view(x.shape[0], spec.top_k, -1).sum(dim=1).to(x.dtype)
