@@ -354,6 +354,9 @@ class StepFrame(msgspec.Struct, kw_only=True):
     generated_tokens_total: int
     history: list[StepRecord]  # the steps since the previous frame (bounded)
     history_dropped_total: int  # steps that fell off that bound, cumulative
+    # Added with issue 55 (a dense model, or an older engine, sends none): tokens routed to
+    # each expert in this step, summed over the MoE layers (a token counts once per layer).
+    expert_load: list[int] | None = None
 
 
 class PreemptionEvent(msgspec.Struct, array_like=True):

@@ -23,6 +23,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvscope.engine.server.metrics_moe import ExpertLoad, moe_families
 from kvscope.engine.server.metrics_prefix import prefixed
 from kvscope.engine.server.metrics_priority import (
     PriorityLabels,
@@ -83,6 +84,7 @@ class EngineState:
     scheduler: SchedulerCounts | None = None  # metrics_priority.scheduler_counts()
     # scheduler.waiting_by_priority under its label values (EngineMetrics.publish fills it).
     waiting_by_priority: dict[str, int] = dataclasses.field(default_factory=dict)
+    experts: ExpertLoad | None = None  # a mixture of experts' load (metrics_moe.expert_load)
 
 
 # Histograms with a `priority` label (a request's own latencies); the others are per step
@@ -225,6 +227,8 @@ class _StateCollector(Collector):
         counts = state.scheduler or SchedulerCounts({"memory": state.stats.num_preemptions})
         out.extend(priority_families(PREFIX, counts, state.waiting_by_priority, labels))
         out.extend(spec_families(PREFIX, state.stats, labels))
+        if state.experts is not None:
+            out.extend(moe_families(PREFIX, state.experts, labels))
         if state.kv_totals is not None:
             out.extend(kv_families(state.kv_totals, state.stats, labels))
         if state.device is not None:

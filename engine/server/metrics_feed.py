@@ -7,6 +7,7 @@ import time
 from kvscope.engine.server import snapshots
 from kvscope.engine.server.device_monitor import DeviceMonitor
 from kvscope.engine.server.metrics import EngineMetrics, EngineState
+from kvscope.engine.server.metrics_moe import expert_load
 from kvscope.engine.server.metrics_priority import scheduler_counts
 from kvscope.ipc import messages as m
 
@@ -47,5 +48,6 @@ class MetricsFeed:
             self.kv_totals, self.totals_at = snapshots.block_totals(self.engine), now
         self.metrics.publish(EngineState(self.engine.stats(), self.kv_totals, self.device(),
                                          scheduler_counts(self.engine.scheduler,
-                                                          self.engine.interrupt.num_interrupted)))
+                                                          self.engine.interrupt.num_interrupted),
+                                         experts=expert_load(self.engine)))
         self.published_at, self.published_version = now, version

@@ -40,6 +40,7 @@ class StepLog:
         self.history: deque[m.StepRecord] = deque()
         self.history_dropped = 0
         self.latest: tuple[float, float, list[m.ScheduledItem]] | None = None
+        self.expert_load: list[int] | None = None  # the latest step's, a mixture of experts
         # The scheduler clears its last_preemptions every step; frames are rarer than steps.
         self.preemptions: deque[m.PreemptionEvent] = deque(maxlen=PREEMPTION_BACKLOG)
 
@@ -55,6 +56,9 @@ class StepLog:
         decode = sum(1 for i in items if i.is_decode)
         now = time.time()
         self.latest = (now, duration_s, items)
+        # Tokens per expert in this step (engine.model.moe.ExpertLoad; None: a dense model).
+        load = getattr(getattr(engine, "model", None), "expert_load", None)
+        self.expert_load = None if load is None else load.last_step()
         sched = engine.scheduler
         self.history.append(m.StepRecord(
             engine.num_steps, now, duration_s, len(items),
@@ -96,7 +100,8 @@ class StepLog:
             preemptions_total=sched.num_preemptions,
             prompt_tokens_total=engine.num_prompt_tokens,
             generated_tokens_total=engine.num_generated_tokens,
-            history=history, history_dropped_total=self.history_dropped)
+            history=history, history_dropped_total=self.history_dropped,
+            expert_load=self.expert_load)
 
 
 def blocks_frame(engine, seq: int, sources: dict[str, str] | None = None,
