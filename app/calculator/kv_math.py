@@ -10,7 +10,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from kvscope.kvmath import kv_size
+from kvscope.kvmath import kv_size, presets
 from kvscope.kvmath.fragsim import FragResult, simulate
 from kvscope.kvmath.kv_size import (  # noqa: F401 - ModelShape and the rest are the panel's too
     KV_DTYPES,
@@ -22,10 +22,20 @@ from kvscope.kvmath.kv_size import (  # noqa: F401 - ModelShape and the rest are
     shape_from_config,
     window_note,
 )
+from kvscope.kvmath.model_params import param_count
 
 # The calculator offers the canonical dtype names only (kv_size also takes aliases: bf16, fp16).
 DTYPE_BYTES = {d: kv_size.DTYPE_BYTES[d] for d in KV_DTYPES}
 DISTRIBUTIONS = ("uniform", "exponential", "lognormal", "fixed")
+
+# The mixtures of experts among the presets, read from their config.json (kvmath.presets).
+MOE_PRESETS = ("Qwen3-30B-A3B (MoE)", "Mixtral-8x7B (MoE)")
+
+
+def _config_shape(name: str) -> tuple[int, int, int]:
+    shape = shape_from_config(presets.CONFIGS[name])
+    return shape.layers, shape.kv_heads, shape.head_dim
+
 
 # Shapes of well-known models: (layers, kv_heads, head_dim).
 PRESETS = {
@@ -35,6 +45,7 @@ PRESETS = {
     "Mistral-7B": (32, 8, 128),
     "Llama-2-7B (no GQA)": (32, 32, 128),
     "Llama-3.1-70B": (80, 8, 128),
+    **{name: _config_shape(name) for name in MOE_PRESETS},  # 48 x 4 x 128, 32 x 8 x 128
 }
 
 
@@ -42,7 +53,13 @@ PRESETS = {
 PRESET_PARAMS_B = {
     "SmolLM2-135M (embedded)": 0.135, "Llama-3.1-8B": 8.03, "Qwen2-7B": 7.62,
     "Mistral-7B": 7.24, "Llama-2-7B (no GQA)": 6.74, "Llama-3.1-70B": 70.6,
+    # Every expert's weights stay in memory: what fits counts the total (30.5B and 46.7B).
+    **{name: param_count(presets.CONFIGS[name]).total / 1e9 for name in MOE_PRESETS},
 }
+# What a token of a mixture of experts multiplies through (3.35B and 12.9B): its decode reads
+# these bytes per token, not the total.
+PRESET_ACTIVE_PARAMS_B = {name: param_count(presets.CONFIGS[name]).active / 1e9
+                          for name in MOE_PRESETS}
 WEIGHT_BYTES_PER_PARAM = 2  # bf16/fp16 weights, how such checkpoints ship
 
 
