@@ -490,6 +490,7 @@ class MainWindow(QMainWindow):
         if shown(self.device_panel):
             self.device_panel.refresh_labels()
         if shown(self.chat):
+            self.chat.flush_replies()
             self.chat.refresh_labels()
         self.status.show_stream(self.bridge.stream_counts(), self.clock.hz)
 
@@ -503,5 +504,6 @@ class MainWindow(QMainWindow):
         """Every label, now."""
         self.block_map.refresh_labels()
         self.device_panel.refresh_labels()
+        self.chat.flush_replies()
         self.chat.refresh_labels()
         self.status.show_stream(self.bridge.stream_counts(), self.clock.hz)

@@ -257,6 +257,7 @@ class SourceWindow(QMainWindow):
 
     def repaint_views(self) -> None:
         self.plots.refresh()
+        self.chat.flush_replies()
         self.chat.refresh_labels()
         self.status.show_stream(self.bridge.stream_counts())
 

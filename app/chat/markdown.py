@@ -125,6 +125,14 @@ class Renderer:
     def render(self, text: str, new_block: Callable[[], QTextCursor]) -> None:
         """text at the end of the document, each segment in a block of its own."""
         self.renders += 1
+        edit = QTextCursor(self.document)
+        edit.beginEditBlock()  # one layout of what changed, when it ends, not one per insert
+        try:
+            self._render(text, new_block)
+        finally:
+            edit.endEditBlock()
+
+    def _render(self, text: str, new_block: Callable[[], QTextCursor]) -> None:
         for seg in segments(text):
             if seg.kind == "prose":
                 cursor = new_block()
@@ -163,11 +171,14 @@ class Renderer:
         cursor.insertText("Copy", link)
         # Lines wrap: unbroken lines would scroll the whole transcript sideways in a narrow dock.
         cursor.insertBlock(QTextBlockFormat(), self._formats["plain"])
-        start = cursor.position()
-        cursor.insertText(seg.text, self._formats["plain"])
-        for offset, length, kind in spans(seg.text):
-            if kind == "plain":
-                continue
-            cursor.setPosition(start + offset)
-            cursor.setPosition(start + offset + length, QTextCursor.MoveMode.KeepAnchor)
-            cursor.setCharFormat(self._formats[kind])
+        # Each piece inserted with its format, in order: one edit per piece, where inserting
+        # the whole text and re-formatting each token after was two (and a token's re-format
+        # re-lays out its block: most of a code block's cost while it streams).
+        text, done = seg.text, 0
+        for offset, length, kind in spans(text):
+            if offset > done:
+                cursor.insertText(text[done:offset], self._formats["plain"])
+            cursor.insertText(text[offset:offset + length], self._formats[kind])
+            done = offset + length
+        if done < len(text):
+            cursor.insertText(text[done:], self._formats["plain"])

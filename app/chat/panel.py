@@ -1,7 +1,9 @@
 """Chat: conversations that are saved as they go, listed in a sidebar, replies streamed in.
 
-Deltas are buffered by the bridge and arrive here ~30 times a second; each batch re-renders
-only the tail of the reply in flight (app.chat.view), never the transcript above it.
+Deltas are buffered by the bridge and arrive here once per drain (up to ~30 times a second);
+the reply in flight re-renders its tail (app.chat.view), never the transcript above it, and
+at most RENDER_HZ times a second: a streaming reply's Markdown, its code highlighting and the
+transcript's repaint were most of what the window cost the engine (docs/window.md).
 Conversations are saved by app.chat.store (one JSON Lines file each) when a store is given;
 without one (tests) they live in memory only. Regenerate and edit discard
 the replies after the point they restart from: the old branch is not kept.
@@ -66,6 +68,7 @@ INTERACTIVE_TIP = (
 EDIT_NOTE = ("Editing message {n}: sending replaces it, and the replies after it are "
              "discarded (not kept as a branch). Esc cancels.")
 TITLE_CHARS = 40
+RENDER_HZ = 4  # the reply in flight re-renders at most this often; its end renders at once
 PLACEHOLDER = "Message the model — Enter sends, Shift+Enter newline, Esc stops"
 ALIVE, LOADING, DEAD = "alive", "loading", "dead"
 
@@ -106,6 +109,10 @@ class ChatPanel(QWidget):
         self._editing: tuple[ConversationView, int] | None = None
         self._deleted: ConversationView | None = None
         self._shown: ConversationView | None = None
+        self.render_interval_s = 1.0 / RENDER_HZ
+        self.clock: Callable[[], float] = time.monotonic
+        self._rendered_at: dict[int, float] = {}  # view number -> when its reply last rendered
+        self._unrendered: set[int] = set()  # views whose reply has text not on screen yet
         self.context_limit: int | None = None
         self.warnings: list[str] = []
         self.confirm_delete: Callable[[QWidget, str], bool] = _confirm_delete
@@ -533,8 +540,9 @@ class ChatPanel(QWidget):
 
     # -- engine facts -------------------------------------------------------------------------
     def on_deltas(self, deltas: list) -> None:
-        """Each reply's new text once per batch (deltas of other clients are ignored)."""
-        now = time.monotonic()
+        """Each reply's new text, at most RENDER_HZ times a second (deltas of other clients
+        are ignored); a finished reply at once."""
+        now = self.clock()
         pending: set[str] = set()
         for d in deltas:
             turn = self.turns.get(d.request_id)
@@ -548,11 +556,31 @@ class ChatPanel(QWidget):
             if view is None or view.turn is not turn:
                 continue
             if turn.done:
+                self._unrendered.discard(view.index)
                 self._finish(view, turn)
+            elif now - self._rendered_at.get(view.index, -1e9) >= self.render_interval_s:
+                self._render_reply(view, now)
             else:
-                view.update_reply(turn.text)
+                self._unrendered.add(view.index)  # the next batch or label tick draws it
         if pending:
             self._update_buttons()
+
+    def _render_reply(self, view: ConversationView, now: float) -> None:
+        self._unrendered.discard(view.index)
+        self._rendered_at[view.index] = now
+        if view.turn is not None:
+            view.update_reply(view.turn.text)
+
+    def flush_replies(self) -> None:
+        """Draw the text of every reply in flight that is not on screen yet (the window's
+        label clock calls it: a reply whose engine went quiet is not left behind)."""
+        now = self.clock()
+        for number in list(self._unrendered):
+            view = self._by_number(number)
+            if view is None or view.turn is None:
+                self._unrendered.discard(number)
+            else:
+                self._render_reply(view, now)
 
     def _finish(self, view: ConversationView, turn: Turn) -> None:
         index = len(view.conversation.messages)

@@ -43,6 +43,7 @@ def test_enter_sends_shift_enter_newline(qtbot):
 def test_deltas_touch_only_the_reply_in_flight(qtbot):
     chat = ChatPanel()
     qtbot.addWidget(chat)
+    chat.render_interval_s = 0  # every batch renders (the rate limit has its own test)
     rid, _, _ = send(qtbot, chat)
     doc = chat.conversation().document()
     changes = []
@@ -148,6 +149,7 @@ def last_line_visible(view):
 def small_chat(qtbot):
     chat = ChatPanel()
     qtbot.addWidget(chat)
+    chat.render_interval_s = 0  # every batch renders: scrolling is what is tested here
     chat.resize(420, 360)
     chat.show()
     qtbot.waitExposed(chat)

@@ -96,6 +96,7 @@ def test_stable_end_never_cuts_inside_a_fence():
 
 def test_streaming_renders_each_complete_block_once_and_only_the_tail_again(qtbot):
     chat = panel(qtbot)
+    chat.render_interval_s = 0  # every batch renders: the view's own economy is tested here
     rid = ask(chat)
     view = chat.conversation()
     doc = view.document()
@@ -203,3 +204,32 @@ def test_sampling_carries_penalties_and_the_context_meter_counts(qtbot):
     chat.on_deltas([delta(rid, "!", 6, finished=True, finish_reason="stop")])
     chat.refresh_labels()
     assert chat.context_label.text() == "context 18 / 2,048 tok · 0 KV blocks held"
+
+
+def test_a_streaming_reply_renders_at_most_render_hz(qtbot):
+    """Re-rendering the reply's tail (a code block's highlighting, the transcript's repaint)
+    on every batch of deltas was most of the window's cost while a reply streamed: batches
+    closer than 1/RENDER_HZ only keep their text, which the next due batch or the label clock
+    (flush_replies) draws; the finished reply is drawn at once."""
+    from kvscope.app.chat.panel import RENDER_HZ
+
+    chat = panel(qtbot)
+    now = [100.0]
+    chat.clock = lambda: now[0]
+    rid = ask(chat)
+    view = chat.conversation()
+    renders = view.renderer.renders
+    chat.on_deltas([delta(rid, "```python\nx = 1\n", 1)])
+    assert view.renderer.renders == renders + 1 and "x = 1" in view.toPlainText()
+    now[0] += 0.5 / RENDER_HZ
+    chat.on_deltas([delta(rid, "y = 2\n", 2)])
+    assert view.renderer.renders == renders + 1 and "y = 2" not in view.toPlainText()
+    chat.flush_replies()  # the label clock's turn: what arrived is drawn
+    assert "y = 2" in view.toPlainText()
+    renders = view.renderer.renders
+    now[0] += 0.1 / RENDER_HZ
+    chat.on_deltas([delta(rid, "z = 3\n", 3)])
+    assert view.renderer.renders == renders  # too soon after the flush's render
+    now[0] += 0.1 / RENDER_HZ
+    chat.on_deltas([delta(rid, "```\n", 4, finished=True, finish_reason="stop")])
+    assert "z = 3" in view.toPlainText() and view.turn is None  # the end: drawn at once
