@@ -4,7 +4,8 @@ transformers builds the config of a GGUF from a fixed table of keys per architec
 (integrations/ggml.py) and leaves every other field at its config class's default. For the
 families the engine runs that silently changes the model: Qwen3's head_dim (128 whatever the
 file says), Gemma 2's logit caps, the query scale of the 27B Gemmas, Gemma 3's RoPE scaling
-and layer pattern, Phi-3's sliding window, partial rotary and longrope factors. This module
+and layer pattern, Phi-3's sliding window, partial rotary and longrope factors, Qwen3-MoE's
+expert width (moe_intermediate_size, 768 whatever the file says). This module
 reads those fields from the file, as llama.cpp writes and reads them, and puts them back into
 the config before the model is built; what it cannot put back it refuses, by name.
 """
@@ -47,7 +48,17 @@ class GGUFFacts:
 
 
 def check_readable(facts: GGUFFacts) -> None:
-    """Files transformers fails on with an unhelpful message: say what is wrong."""
+    """Files transformers fails on with an unhelpful message, or reads into another model:
+    say what is wrong."""
+    experts = facts.get("expert_count")
+    if facts.arch == "llama" and experts:
+        # transformers reads a llama GGUF as a dense Llama and drops the ffn_*_exps tensors
+        # it maps to nothing: the model would run without its experts.
+        raise ValueError(f"this GGUF is a mixture of experts in the llama architecture "
+                         f"(llama.expert_count={experts}: llama.cpp writes Mixtral so); "
+                         "transformers' GGUF reader maps no experts for llama and would load "
+                         "it as a dense model without them, so it is refused: load the "
+                         "model's Hugging Face folder instead")
     if facts.arch == "llama" and facts.fields.get("general.name") == "mistral":
         raise ValueError("this GGUF is a llama file named exactly 'mistral', which transformers "
                          "reads as Mistral and then cannot map to tensors; give general.name "
@@ -71,6 +82,9 @@ def restore_config(config: Any, facts: GGUFFacts) -> list[str]:
         _restore_gemma(config, facts, put)
     if facts.arch == "phi3":
         _restore_phi3(config, facts, put, notes)
+    expert_width = facts.get("expert_feed_forward_length")
+    if facts.arch == "qwen3moe" and expert_width:
+        put("moe_intermediate_size", int(expert_width))
     return notes
 
 

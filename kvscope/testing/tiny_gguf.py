@@ -16,7 +16,8 @@ import numpy as np
 
 # HF model_type -> GGUF general.architecture (llama.cpp writes Mistral as llama).
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-             "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
+             "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3",
+             "qwen3_moe": "qwen3moe"}
 # Families whose head_dim llama.cpp also writes as rope.dimension_count.
 _ROPE_DIMS = {"llama", "mistral"}
 
@@ -61,6 +62,10 @@ def _write_config(writer: Any, cfg: Any, model_type: str) -> None:
         writer.add_value_length(head_dim)
     if model_type in _ROPE_DIMS:
         writer.add_rope_dimension_count(head_dim)
+    if model_type == "qwen3_moe":
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if model_type in ("gemma2", "gemma3_text"):
         _write_gemma(writer, cfg)
     if model_type == "phi3":
@@ -134,13 +139,16 @@ def _write_vocab(writer: Any, cfg: Any) -> None:
 def gguf_tensors(hf_model: Any) -> dict[str, np.ndarray]:
     """GGUF name -> float32 array, for every tensor transformers maps back."""
     from transformers.modeling_gguf_pytorch_utils import (
+        Qwen2MoeTensorProcessor,
         TensorProcessor,
         get_gguf_hf_weights_map,
     )
 
     cfg = hf_model.config
     gguf_type = "llama" if cfg.model_type == "mistral" else None
-    to_hf = get_gguf_hf_weights_map(hf_model, TensorProcessor(), model_type=gguf_type)
+    # The MoE processor maps the stacked experts (llama.cpp's ffn_{gate,up,down}_exps).
+    processor = Qwen2MoeTensorProcessor() if cfg.model_type == "qwen3_moe" else TensorProcessor()
+    to_hf = get_gguf_hf_weights_map(hf_model, processor, model_type=gguf_type)
     state = hf_model.state_dict()
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     out: dict[str, np.ndarray] = {}
@@ -148,6 +156,11 @@ def gguf_tensors(hf_model: Any) -> dict[str, np.ndarray]:
         if hf_name not in state or (tied and gguf_name == "output.weight"):
             continue
         w = state[hf_name].detach().float().numpy().copy()
+        if gguf_name.endswith("_exps"):  # [experts, rows, cols], gate and up stacked in one
+            half = w.shape[1] // 2
+            part = {"gate": w[:, :half], "up": w[:, half:]}.get(gguf_name.split("_")[-2], w)
+            out[gguf_name + ".weight"] = np.ascontiguousarray(part)
+            continue
         out[gguf_name] = _forward_transform(cfg, gguf_name, w)
     return out
 
