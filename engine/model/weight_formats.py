@@ -219,5 +219,7 @@ def resolve_weights(fmt: str, device: str, state_dict: dict[str, torch.Tensor]) 
     if device != "cpu":
         return "dense"
     probe = next((w for name, w in state_dict.items()
-                  if name.endswith("mlp.down_proj.weight")), None)
+                  # a dense MLP's, or a mixture of experts' first expert's (Qwen3-MoE, Mixtral)
+                  if name.endswith(("mlp.down_proj.weight", "experts.0.down_proj.weight",
+                                    "experts.0.w2.weight"))), None)
     return "int4" if probe is not None and int4_is_exact(probe) else "dense"

@@ -230,3 +230,15 @@ def test_expert_load_counts_every_routed_token(tiny):
     assert len(model.expert_load.last_step()) == model.moe.num_experts
     # The last step decoded the longest prompt's last token alone or with others.
     assert 0 < sum(model.expert_load.last_step()) <= len(PROMPTS) * routed
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.mlp.experts.0.down_proj.weight",
+                                  "model.layers.0.block_sparse_moe.experts.0.w2.weight"])
+def test_auto_weights_see_a_4_bit_mixture_of_experts(name):
+    """weights='auto' picks int4 for a checkpoint whose experts are 4-bit already (a Q4
+    GGUF's), probing the first expert where a dense model has its MLP."""
+    from kvscope.engine.model.weight_formats import dequantize_int4, quantize_int4, resolve_weights
+
+    w = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    assert resolve_weights("auto", "cpu", {name: dequantize_int4(*quantize_int4(w))}) == "int4"
+    assert resolve_weights("auto", "cpu", {name: w}) == "dense"
