@@ -20,6 +20,10 @@
     ipc.EngineClient from this process, run alternately with no window and with a real
     window process (`kvscope --attach CMD --attach-state STATE`, offscreen, from this checkout
     or --window-repo, e.g. an older commit's, to compare) whose CPU share is read with psutil.
+    --chat: both sides also carry one chat reply that streams all the time (a long, code-heavy
+    answer, greedy; benchmarks/window/chat_stream.py): headless from a plain client, and with
+    the window as its chat panel sends and renders it (Markdown, highlighted code), so the
+    ratio is the window's cost while it renders a streaming reply (issue 53's target: >= 0.95).
 (c) --source vllm|llama-server: the window's CPU while it watches that engine under load
     (benchmarks/gui_source_load.py): a window process on a fake with the engine's real payloads
     and synthetic load, or on a real server (--url) with concurrent chats through its API.
@@ -29,6 +33,7 @@ Options not listed below go to `engine.cli.serve` (--device, --num-kv-blocks, ..
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
@@ -141,15 +146,22 @@ def gui_frame_time(num_blocks: int, requests: int, ticks: int, tmp: str,
 
 
 # -- (b) ---------------------------------------------------------------------------------------
-def start_window(command: str, state: str, repo: Path, config_dir: str):
+def start_window(command: str, state: str, repo: Path, config_dir: str,
+                 chat: str | None = None, report: str | None = None):
     """`kvscope --attach` from `repo` (this checkout or another one, to compare), offscreen,
-    with its own settings folder; returns once it holds connections to both engine ports."""
+    with its own settings folder; returns once it holds connections to both engine ports.
+    chat "window" or "headless": benchmarks/window/chat_stream.py's side instead, streaming
+    its chat reply (from this checkout's benchmarks, the window from `repo`)."""
     import psutil
 
-    env = dict(os.environ, PYTHONPATH=str(repo), XDG_CONFIG_HOME=config_dir,
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(dict.fromkeys([str(repo), str(REPO)])),
+               XDG_CONFIG_HOME=config_dir, XDG_DATA_HOME=config_dir,
                QT_QPA_PLATFORM="offscreen")
-    proc = subprocess.Popen([sys.executable, "-m", "kvscope", "--attach", command,
-                             "--attach-state", state], cwd=repo, env=env,
+    argv = [sys.executable, "-m", "kvscope", "--attach", command, "--attach-state", state]
+    if chat is not None:
+        argv = [sys.executable, "-m", "benchmarks.window.chat_stream", "--attach", command,
+                "--attach-state", state, f"--{chat}"] + (["--report", report] if report else [])
+    proc = subprocess.Popen(argv, cwd=repo, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ports = {int(command.rsplit(":", 1)[1]), int(state.rsplit(":", 1)[1])}
     deadline = time.monotonic() + 180
@@ -191,7 +203,7 @@ def _cpu_seconds(proc: subprocess.Popen) -> float:
 
 
 def throughput(serve_args, requests: int, max_tokens: int, reps: int,
-               window_repo: Path) -> dict:
+               window_repo: Path, chat: bool = False) -> dict:
     from benchmarks.serving.ipc_bench import run_workload, start_server
     from kvscope.ipc import EngineClient
 
@@ -204,20 +216,28 @@ def throughput(serve_args, requests: int, max_tokens: int, reps: int,
              "fixed", "size", "blocks"]
     prompts = [" ".join(rng.choice(words) for _ in range(rng.randrange(8, 24)))
                for _ in range(requests)]
-    out = {"headless": [], "gui": [], "windows": []}
+    out: dict[str, list] = {"headless": [], "gui": [], "windows": [], "chat_helpers": []}
+    report = None
+    if chat:
+        fd, report = tempfile.mkstemp(prefix="gui_bench-chat-", suffix=".jsonl")
+        os.close(fd)
     try:
         run_workload(client, prompts[:4], 8)  # warm up
         config_dir = tempfile.mkdtemp(prefix="gui_bench-settings-")
         for rep in range(reps):
             for mode in ("headless", "gui"):
                 window = None
-                if mode == "gui":
-                    window = start_window(cmd_ep, state_ep, window_repo, config_dir)
-                    time.sleep(3.0)  # past the window's first paints: the steady state
+                if mode == "gui" or chat:
+                    side = None if not chat else "window" if mode == "gui" else "headless"
+                    window = start_window(cmd_ep, state_ep, window_repo, config_dir, side,
+                                          report)
+                    time.sleep(3.0 if not chat else 8.0)  # past the first paints (and the
+                    # chat's prefill): the steady state
                     cpu0, wall0 = _cpu_seconds(window), time.monotonic()
                 tps = run_workload(client, prompts, max_tokens)
                 if window is not None:
-                    out["windows"].append(stop_window(window, cpu0, wall0))
+                    key = "windows" if mode == "gui" else "chat_helpers"
+                    out[key].append(stop_window(window, cpu0, wall0))
                 out[mode].append(tps)
                 log(f"rep {rep + 1}/{reps} {mode}: {tps:.1f} tok/s")
     finally:
@@ -236,7 +256,16 @@ def throughput(serve_args, requests: int, max_tokens: int, reps: int,
             "requests": requests, "max_tokens": max_tokens, "reps": reps,
             "headless_tok_s": h, "gui_tok_s": g, "gui_over_headless": g / h,
             "headless_runs": out["headless"], "gui_runs": out["gui"],
-            "windows": out["windows"]}
+            "windows": out["windows"], "chat": chat, "chat_helpers": out["chat_helpers"],
+            "chat_replies": _replies(report)}
+
+
+def _replies(report: str | None) -> list[dict]:
+    """The chat replies the two sides saw (chat_stream's --report lines)."""
+    if not report or not os.path.exists(report):
+        return []
+    with open(report) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def format_table(report: dict, running: int, size: str) -> str:
@@ -257,7 +286,8 @@ def format_table(report: dict, running: int, size: str) -> str:
     if t:
         heading = (f"(b) engine throughput, {t['requests']} requests x {t['max_tokens']} tokens, "
                    f"greedy, ignore_eos, model {t['model']} on {t['device']}, median of "
-                   f"{t['reps']}, a window process attached vs none")
+                   f"{t['reps']}, a window process attached vs none"
+                   + (", a code-heavy chat reply streaming on both sides" if t["chat"] else ""))
         window_cpu = [round(100 * wd["core_share"], 1) for wd in t["windows"]]
         lines += ["", heading,
                   f"{'headless tok/s':>15} {'GUI tok/s':>10} {'GUI/headless':>13}",
@@ -267,6 +297,13 @@ def format_table(report: dict, running: int, size: str) -> str:
                    f"GUI {[round(x, 1) for x in t['gui_runs']]}"),
                   (f"window process ({t['window_repo']}) CPU during the GUI runs: "
                    f"{window_cpu} % of a core")]
+        if t["chat"]:
+            helper = [round(100 * wd["core_share"], 1) for wd in t["chat_helpers"]]
+            replies = t["chat_replies"]
+            lines += [f"headless chat client CPU: {helper} % of a core",
+                      "chat replies (side, characters, code blocks, + cut by the run's end): "
+                      + ", ".join(f"{r['side']} {r['chars']}/{r['code']}"
+                                  + ("" if r.get("ended", True) else "+") for r in replies)]
     return "\n".join(lines)
 
 
@@ -282,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--skip-engine", action="store_true", help="only (a)")
     p.add_argument("--skip-frames", action="store_true", help="only (b)")
+    p.add_argument("--chat", action="store_true",
+                   help="(b): a code-heavy chat reply streams on both sides, the window "
+                        "rendering it (benchmarks/window/chat_stream.py)")
     p.add_argument("--window-repo", type=Path, default=REPO,
                    help="(b): run the window from this checkout (default: this one), e.g. "
                         "an older commit's worktree, to compare windows on one engine")
@@ -320,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
                 report["frame_time"].append(r)
     if not args.skip_engine:
         report["throughput"] = throughput(serve_args, args.requests, args.max_tokens, args.reps,
-                                          args.window_repo.resolve())
+                                          args.window_repo.resolve(), args.chat)
     print_result(report, lambda r: format_table(r, args.running, args.size), args.json,
                  indent=2)
     return 0
