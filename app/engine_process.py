@@ -137,7 +137,7 @@ class EngineProcess(QObject):
             self.failed.emit(start_failure(how, list(self.stderr_tail)[-8:]))
         else:
             self.exited.emit(code)
-            self.exitedBecause.emit(f"the engine process {how}")
+            self.exitedBecause.emit(f"its process {how}")  # "engine is dead: its process…"
 
     def _error(self, error) -> None:
         if error == QProcess.ProcessError.FailedToStart and self.proc is not None:

@@ -216,6 +216,8 @@ class EngineStatusBar(QStatusBar):
             self.state_label.style().unpolish(self.state_label)
             self.state_label.style().polish(self.state_label)
         self.restart_button.setVisible(state == "dead")
+        # Nothing streams from a dead engine: its room goes to the reason (cut at 1280 px).
+        self.stream_label.setVisible(state != "dead")
         if state in ("dead", "connecting"):  # what the last engine said, until a new one does
             self._mark_stale(True)
         if state == "dead":

@@ -671,7 +671,9 @@ class ChatPanel(QWidget):
             self.phase_label.setText(phase)
         # A dead engine's blocks are no one's now: the meter says it is old.
         dead = self._engine_state == DEAD
-        context = stale.plain(self.context_text()) if dead else self.context_text()
+        context = self.context_text()
+        if dead:  # no blocks are held by a dead engine: the tokens only, marked old
+            context = stale.plain(context.split(" · ")[0])
         stale.mark(self.context_label, dead)
         if context != self.context_label.text():
             self.context_label.setText(context)
