@@ -21,7 +21,7 @@ from kvscope.kvmath.model_support import refusal
 MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024  # a header larger than this is no checkpoint's
 # GGUF general.architecture -> Hugging Face model_type (llama.cpp writes Mistral as llama).
 GGUF_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-                   "gemma3": "gemma3_text", "phi3": "phi3"}
+                   "gemma3": "gemma3_text", "phi3": "phi3", "qwen3moe": "qwen3_moe"}
 # config.json field <- GGUF key under "{arch}." (llama.cpp's names).
 GGUF_FIELDS = {"num_hidden_layers": "block_count", "hidden_size": "embedding_length",
                "intermediate_size": "feed_forward_length",

@@ -44,6 +44,11 @@ def test_a_qwen3_moe_gguf_generates_what_hf_generates(tmp_path):
     prompts = [torch.randint(0, 250, (n,), generator=g).tolist() for n in (9, 30, 1)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 12) for p in prompts]
+    # The window's Open model reads the same file as a model the engine runs.
+    from kvscope.app.model_file import read_model
+
+    facts = read_model(tmp_path / "tiny-qwen3moe.gguf")
+    assert facts.family == "qwen3_moe" and facts.refusal is None
 
 
 def test_a_llama_gguf_with_experts_is_refused_by_name(tmp_path):
@@ -63,3 +68,6 @@ def test_a_llama_gguf_with_experts_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"llama.expert_count=8.*transformers' GGUF reader maps "
                                          "no experts"):
         gguf_llm(path)
+    from kvscope.app.model_file import read_model
+
+    assert "mixture of experts" in (read_model(path).refusal or "")  # the window refuses too
