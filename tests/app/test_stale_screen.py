@@ -100,7 +100,9 @@ def test_the_status_bar_marks_a_dead_engines_pool_and_endpoints(qtbot):
     bar.mark_dead(REASON, exited=True)
     assert bar.blocks_label.text().startswith(f"{stale.NOTE} blocks 60 free")
     assert bar.blocks_label.property("stale")
+    assert bar.stream_label.isHidden()  # nothing streams: its room goes to the reason
     bar.mark_connecting("starting the engine…")  # still the dead one's until a new frame
+    assert not bar.stream_label.isHidden()
     assert bar.blocks_label.text().startswith(stale.NOTE)
     bar.show_stats(stats_frame(seq=2))
     assert bar.blocks_label.text().startswith("blocks 60 free")
