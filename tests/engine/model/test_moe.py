@@ -120,6 +120,39 @@ def test_prefix_cache_hits_keep_outputs_exact(tiny):
     assert got == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
 
 
+def test_teacher_forced_log_probs_match_hf(tiny):
+    _, path, hf, _ = tiny
+    llm = make_llm(path, block_size=16, num_kv_blocks=32)
+    ids = random_prompts([90], seed=5)[0]
+    got = token_log_probs(llm.engine, ids)
+    with torch.inference_mode():
+        want = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_int8_kv_calibrates_through_the_experts(tiny):
+    """int8 KV's calibration runs the model's own layers (engine.model.dense_forward), experts
+    included: its keys are the ones the paged forward writes, and the log-probs stay near the
+    float32 pool's (the bound is looser than a dense family's: on these peaked tiny models a
+    small change of a hidden state flips near-tied routing choices, and Mixtral's, without
+    q/k norms, moves most; a wrong calibration costs nats)."""
+    from kvscope.engine.kv_cache.calibration import queries_and_keys
+
+    _, path, _, _ = tiny
+    exact_llm = make_llm(path, kv_rotation="none", num_kv_blocks=64)
+    ids = random_prompts([40], seed=3)[0]
+    exact = token_log_probs(exact_llm.engine, ids)
+    qk = queries_and_keys(exact_llm.engine.model, ids)
+    for (_, k), (k_cache, _) in zip(qk, exact_llm.engine.pool.caches, strict=True):
+        rows = k_cache.view(-1, *k_cache.shape[2:])[:len(ids)]
+        torch.testing.assert_close(rows, k, atol=1e-5, rtol=1e-5)
+    llm = make_llm(path, kv_dtype="int8", num_kv_blocks=64)
+    assert llm.stats().kv_rotation == "calibrated"
+    got = token_log_probs(llm.engine, ids)
+    kl = (exact.exp() * (exact - got)).sum(-1)
+    assert 0 < float(kl.median()) < 0.3
+
+
 def hidden_states(n, size, seed=0):
     return torch.randn(n, size, generator=torch.Generator().manual_seed(seed))
 
