@@ -186,6 +186,27 @@ def test_the_block_is_hf_block(tiny):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
 
 
+def test_the_block_is_hf_block_in_bfloat16(tiny):
+    """In a bfloat16 model Mixtral weighs its experts' outputs in float32 and rounds the sum
+    once; Qwen3-MoE casts the routing weights to bfloat16 first: each as its HF block does."""
+    import copy
+
+    _, path, hf, _ = tiny
+    hf16 = copy.deepcopy(hf).to(torch.bfloat16)
+    model = make_llm(path, dtype="bfloat16", kv_dtype="bfloat16").engine.model
+    for i, experts in sparse_layers(model):
+        x = hidden_states(40, hf.config.hidden_size, seed=30 + i).to(torch.bfloat16)
+        with torch.inference_mode():
+            want = hf16.model.layers[i].mlp(x[None])[0]
+            got = moe_mlp(x, experts, model.moe, model.family.activation)
+            weights, _ = route(x, experts.router, model.moe)
+            _, hf_weights, _ = hf16.model.layers[i].mlp.gate(x)
+        assert got.dtype == torch.bfloat16
+        assert weights.dtype == hf_weights.dtype  # float32 for Mixtral, bfloat16 for Qwen3-MoE
+        # bfloat16 matmuls round in their own order on each side: a few units of its 8 bits.
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
 def test_experts_run_once_per_step_over_all_their_tokens(tiny):
     """Grouped by expert: per layer and forward, one gate|up call per expert any token chose,
     over all of that expert's rows, never one call per (token, expert) pair."""
