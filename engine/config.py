@@ -74,6 +74,10 @@ DEFAULT_PRIORITY_STEP_STRETCH = 2.0
 # 4-bit tiles, 5 s kept it at 0.51x of its output alone, 0 at 0.68x, the chat's TTFT p99
 # 1.34x and 1.04x idle (docs/scheduling.md). 0 by default.
 DEFAULT_PRIORITY_HOLD_S = 0.0
+# KV tiers beyond the pool (engine/kv_cache/tiers.py, docs/kv-tiers.md): host memory for the
+# cached blocks the pool evicts, and a disk folder that keeps them across restarts; 0 = off.
+DEFAULT_KV_OFFLOAD_BYTES = 0
+DEFAULT_KV_DISK_BYTES = 0
 
 
 def _fail(field: str, value: object, allowed: str) -> NoReturn:
@@ -107,6 +111,9 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    kv_offload_bytes: int = DEFAULT_KV_OFFLOAD_BYTES
+    kv_disk_bytes: int = DEFAULT_KV_DISK_BYTES
+    kv_disk_dir: str = ""  # "": under the user's cache folder (engine.kv_cache.disk_tier)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -135,6 +142,24 @@ class EngineConfig:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if hi < lo:
             _fail("prompt_lookup_max", hi, f"an integer >= prompt_lookup_min ({lo})")
+        self._validate_tiers()
+
+    def _validate_tiers(self) -> None:
+        for name in ("kv_offload_bytes", "kv_disk_bytes"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 0:
+                _fail(name, value, "an integer >= 0 (0: off)")
+        if not isinstance(self.kv_disk_dir, str):
+            _fail("kv_disk_dir", self.kv_disk_dir, 'a folder path, or "" for the default')
+        tiered = self.kv_offload_bytes > 0 or self.kv_disk_bytes > 0
+        if tiered and self.kv_dtype in ONE_BYTE_KV_DTYPES and self.kv_anchor_tokens > 0:
+            # Anchor rows are kept per opening beside the pool, not per block, so a block
+            # copied back from a tier would be read without the exact rows a recompute fills.
+            raise ValueError(
+                f"EngineConfig.kv_anchor_tokens={self.kv_anchor_tokens} is invalid with KV "
+                f"tiers (kv_offload_bytes/kv_disk_bytes) on a {self.kv_dtype} pool: anchor "
+                "tokens are kept per opening, not per block, so tiered blocks cannot carry "
+                "them; set kv_anchor_tokens=0 (--kv-anchor-tokens 0) or turn the tiers off")
 
     def to_dict(self) -> dict[str, str | int | bool | None]:
         return asdict(self)

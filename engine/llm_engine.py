@@ -30,6 +30,7 @@ from kvscope.engine.kv_cache.pool import (
     num_blocks_for_budget,
     pool_bytes,
 )
+from kvscope.engine.kv_cache.tiers import KVTiers, model_identity, tiers_for
 from kvscope.engine.loading.loader import LoadedModel, load_model
 from kvscope.engine.model.family import layer_windows
 from kvscope.engine.model.paged_decoder import PagedLlama
@@ -110,6 +111,7 @@ class LLMEngine:
         # The model's calibrated K balance (kernels/k_balance.py), per layer: computed the
         # first time a pool wants it, then kept across reconfigures. None: not computed yet.
         self._k_balance_layers: list[KBalanceLayer] | None = None
+        self._model_identity: str | None = None  # the KV tiers' name for the model
         self.spec = SpecDecoder(config)  # speculative decoding (engine.spec_decode.decoder)
         # A request of higher priority may abandon a step of less urgent work midway.
         self.interrupt = self.model.interrupt = StepInterrupt()
@@ -138,8 +140,20 @@ class LLMEngine:
                                     self.kv_rotation, self._k_balance(self.kv_rotation),
                                     cfg.kv_anchor_tokens)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.block_manager.tiers = self._tiers(cfg)
         self.scheduler = scheduler_for(self.block_manager, cfg, previous)
         self.runner = ModelRunner(self.model, self.pool)
+
+    def _tiers(self, cfg: EngineConfig) -> KVTiers | None:
+        """The host and disk tiers behind this pool's prefix cache, keyed to it; None: off."""
+        if cfg.kv_offload_bytes <= 0 and cfg.kv_disk_bytes <= 0:
+            return None
+        if self._model_identity is None:
+            self._model_identity = model_identity(self.loaded.checkpoint,
+                                                  self.loaded.hf_config.to_json_string())
+        return tiers_for(cfg, self.pool, self._model_identity, str(self.dtype),
+                         self.weights, self.device, kv_dtype_name(self.kv_dtype),
+                         self.kv_rotation)
 
     def _release_pool(self) -> None:
         """Let the old pool go (the runner holds it too) and hand its memory back before the
@@ -349,6 +363,8 @@ class LLMEngine:
             raise
         finally:
             self.interrupt.disarm()
+        if bm.tiers is not None:  # the step's full blocks hold their K/V now
+            bm.tiers.after_step(bm, registered)
         sampling = self._advance(batch)
         if drafted:
             deltas += self.spec.verify(self, logits, sampling)
@@ -469,7 +485,9 @@ class LLMEngine:
     def output_of(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.output_token_ids,
                              seq.text, seq.finish_reason, seq.num_cached_tokens,
-                             seq.num_preemptions)
+                             seq.num_preemptions,
+                             num_host_cached_tokens=seq.num_host_cached_tokens,
+                             num_disk_cached_tokens=seq.num_disk_cached_tokens)
 
     def stats(self) -> EngineStats:
         bm, pool = self.block_manager, self.pool
@@ -491,4 +509,5 @@ class LLMEngine:
             prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits,
             max_model_len=self.max_model_len, device=self.device,
             dtype=str(self.dtype).removeprefix("torch."), weights=self.weights,
-            **self.spec.stats_fields())
+            **self.spec.stats_fields(),
+            **(bm.tiers.stats_fields() if bm.tiers is not None else {}))

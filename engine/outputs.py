@@ -42,6 +42,10 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # Of num_cached_tokens, what the KV tiers copied back (engine/kv_cache/tiers.py): from
+    # host memory, and from disk (a conversation resumed after a restart).
+    num_host_cached_tokens: int = 0
+    num_disk_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:

@@ -27,6 +27,9 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
+    # Of those, copied back from the KV tiers at the last admission (engine/kv_cache/tiers.py).
+    num_host_cached_tokens: int = 0
+    num_disk_cached_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     # Chained content hashes of the full blocks, computed once (prefix caching).
     block_hashes: list[int] = field(default_factory=list)

@@ -151,6 +151,10 @@ class Delta(msgspec.Struct, kw_only=True):
     # and drafted tokens accepted; mean acceptance length = 1 + accepted / drafts
     num_drafts: int = 0
     num_accepted_tokens: int = 0
+    # Of num_cached_tokens, what the KV tiers gave back (issue 56): host memory, and disk
+    # (a conversation resumed after a restart: "prefix from disk: N tokens").
+    num_host_cached_tokens: int = 0
+    num_disk_cached_tokens: int = 0
 
 
 class Deltas(msgspec.Struct, tag_field="type", tag="deltas"):
@@ -195,6 +199,10 @@ class EngineSettings(msgspec.Struct, kw_only=True):
     num_speculative_tokens: int = 4  # K drafted tokens per verify
     prompt_lookup_min: int = 2  # shortest suffix n-gram looked up
     prompt_lookup_max: int = 4  # longest
+    # Added with issue 56 (KV tiers; an older engine sends none: off).
+    kv_offload_bytes: int = 0  # host-memory tier for evicted cached blocks; 0 = off
+    kv_disk_bytes: int = 0  # disk tier, kept across restarts; 0 = off
+    kv_disk_dir: str = ""  # "": under the user's cache folder
 
 
 class EngineStats(msgspec.Struct, kw_only=True):
@@ -234,6 +242,24 @@ class EngineStats(msgspec.Struct, kw_only=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []  # accepted drafts by position in the draft
+    # KV tiers beyond the pool (issue 56; an older engine sends none: no tiers). Now:
+    kv_host_blocks: int = 0  # blocks in the host-memory tier
+    kv_host_bytes: int = 0
+    kv_host_capacity_bytes: int = 0  # --kv-offload-bytes (0: no host tier)
+    kv_host_capacity_blocks: int = 0
+    kv_disk_blocks: int = 0  # block files in the disk tier's folder (any key)
+    kv_disk_bytes: int = 0
+    kv_disk_capacity_bytes: int = 0  # --kv-disk-bytes (0: no disk tier)
+    # ... and cumulative:
+    kv_offloaded_blocks: int = 0  # pool -> host copies
+    kv_offloaded_bytes: int = 0
+    kv_onboarded_host_blocks: int = 0  # host -> pool copies
+    kv_onboarded_disk_blocks: int = 0  # disk -> pool loads
+    kv_onboarded_bytes: int = 0
+    kv_disk_written_blocks: int = 0
+    kv_disk_refused_blocks: int = 0  # bad key, checksum or size: deleted, never loaded
+    prefix_cache_hits_host: int = 0  # of prefix_cache_hits, tokens the host tier gave back
+    prefix_cache_hits_disk: int = 0  # ... and the disk tier
 
     @property
     def spec_mean_acceptance_length(self) -> float:
@@ -429,6 +455,12 @@ class BlocksFrame(msgspec.Struct, kw_only=True):
     # Blocks that held speculative draft slots rolled back since the previous frame (issue
     # 31; the map marks them briefly).
     rolled_back_blocks: list[int] = []
+    # The KV tiers beside the pool (issue 56; 0 from an engine without them): blocks in the
+    # host-memory tier and its capacity in blocks, block files in the disk tier and their bytes.
+    tier_host_blocks: int = 0
+    tier_host_capacity_blocks: int = 0
+    tier_disk_blocks: int = 0
+    tier_disk_bytes: int = 0
 
     def array(self, name: str) -> npt.NDArray[Any]:
         import numpy as np

@@ -169,10 +169,26 @@ class Reconfigure(_Line, tag="reconfigure"):
     kv_rotation: str = "none"
 
 
+class Offload(_Line, tag="offload"):
+    """Cached blocks the pool evicted were copied to a KV tier (issue 56) during the step at t.
+    medium: vLLM's name of the tier ("CPU" host memory, "STORAGE" disk)."""
+    t: float
+    blocks: int
+    medium: str
+
+
+class Onboard(_Line, tag="onboard"):
+    """A request's prefix blocks were copied back from a KV tier instead of computed."""
+    t: float
+    id: str
+    blocks: int
+    medium: str
+
+
 Event = (Arrival | Step | Alloc | Free | Preempt | Token | Finish | Abort | Reconfigure | Chunk
-         | Response)
+         | Response | Offload | Onboard)
 EVENT_TYPES = (Arrival, Step, Alloc, Free, Preempt, Token, Finish, Abort, Reconfigure, Chunk,
-               Response)
+               Response, Offload, Onboard)
 Line = Header | Event
 
 E = TypeVar("E")

@@ -45,6 +45,16 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-bytes", type=parse_bytes, default=DEFAULT_KV_CACHE_BYTES,
                    help="KV memory budget, e.g. 268435456, 256M or 1G")
     g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--kv-offload-bytes", type=parse_bytes, default=0, metavar="BYTES",
+                   help="host-memory tier for the prefix cache's blocks the pool evicts "
+                        "(pinned memory on CUDA): a prefix found there is copied back, not "
+                        "computed again; e.g. 1G; 0 = off (docs/kv-tiers.md)")
+    g.add_argument("--kv-disk-bytes", type=parse_bytes, default=0, metavar="BYTES",
+                   help="disk tier: full KV blocks written by content, kept across restarts "
+                        "(a resumed chat prefills only its new tokens); e.g. 4G; 0 = off")
+    g.add_argument("--kv-disk-dir", default="", metavar="DIR",
+                   help="the disk tier's folder (default: kv-blocks under $KVSCOPE_CACHE_DIR, "
+                        "else ~/.cache/kvscope)")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--max-model-len", type=int, default=None)
@@ -128,7 +138,10 @@ def engine_config_from_args(args) -> EngineConfig:
         scheduling_policy=args.scheduling_policy, priority_aging_s=args.priority_aging_s,
         max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
         priority_lower_tokens=args.priority_lower_tokens, priority_hold_s=args.priority_hold_s,
-        priority_step_stretch=args.priority_step_stretch, **_speculative(args))
+        priority_step_stretch=args.priority_step_stretch,
+        kv_offload_bytes=getattr(args, "kv_offload_bytes", 0),
+        kv_disk_bytes=getattr(args, "kv_disk_bytes", 0),
+        kv_disk_dir=getattr(args, "kv_disk_dir", ""), **_speculative(args))
 
 
 def _speculative(args) -> dict[str, Any]:

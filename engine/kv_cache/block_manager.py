@@ -4,15 +4,20 @@ A block is in exactly one of three states: in use (ref_count > 0), cached-free (
 content hash is still registered, so a later request with the same prefix can take it back) or free.
 Allocation prefers free blocks and only then evicts cached-free ones, those released by the least
 urgent requests first, then the least recently released (engine/kv_cache/evictable_blocks.py), so
-the prefix cache lives as long as memory allows."""
+the prefix cache lives as long as memory allows. Beyond the pool, optional host and disk tiers
+keep evicted blocks and give them back by copy (engine/kv_cache/tiers.py)."""
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvscope.engine.kv_cache.events import BlockCached, BlockUncached, CacheEvent
 from kvscope.engine.kv_cache.evictable_blocks import CachedFree
 from kvscope.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from kvscope.engine.kv_cache.tiers import KVTiers
 
 # A block-table entry whose block was released because it lies wholly behind a sliding
 # window (free_behind_window): the table keeps its length, so logical block i still covers
@@ -26,6 +31,9 @@ class Block:
     ref_count: int = 0
     hash: int | None = None
     token_ids: tuple[int, ...] = ()
+    # The tiers' content digest (engine/kv_cache/tiers.py) of a registered block; None
+    # without tiers.
+    digest: bytes | None = None
 
 
 def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -52,6 +60,9 @@ class BlockManager:
         # scheduler registers a chunk's blocks before the step runs, so a step abandoned
         # midway (engine.model.step_interrupt) must forget them again.
         self.journal: list[int] | None = None
+        # The host and disk tiers behind the prefix cache (engine/kv_cache/tiers.py): an
+        # evicted cached block goes there, a prefix lookup that misses here looks there.
+        self.tiers: KVTiers | None = None
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -82,16 +93,21 @@ class BlockManager:
         """Cached blocks holding a prefix of seq, without taking them.
 
         At least one token is always left to compute, because the step needs the logits of
-        the last one.
+        the last one. With tiers, the blocks a tier holds after the last pool hit are copied
+        into the pool first (registered and cached-free, as if computed: tiers.onboard).
         """
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
         for i in range((seq.num_tokens - 1) // self.block_size):
             block_id = self.hash_to_block.get(self.block_hash(seq, i))
-            if block_id is None or self.blocks[block_id].token_ids != self._block_tokens(seq, i):
+            if block_id is None or self.blocks[block_id].token_ids != self.block_tokens(seq, i):
                 break
             hits.append(block_id)
+        else:
+            return hits
+        if self.tiers is not None:
+            hits += self.tiers.onboard(self, seq, hits, (seq.num_tokens - 1) // self.block_size)
         return hits
 
     def block_hash(self, seq: Sequence, i: int) -> int:
@@ -99,10 +115,10 @@ class BlockManager:
         while len(seq.block_hashes) <= i:
             j = len(seq.block_hashes)
             prev = seq.block_hashes[-1] if j else None
-            seq.block_hashes.append(chain_hash(prev, self._block_tokens(seq, j)))
+            seq.block_hashes.append(chain_hash(prev, self.block_tokens(seq, j)))
         return seq.block_hashes[i]
 
-    def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
+    def block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
         return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
 
     def can_allocate(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
@@ -121,6 +137,8 @@ class BlockManager:
             seq.block_table.append(block_id)
         seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_cached_tokens = seq.num_computed_tokens
+        if self.tiers is not None:
+            self.tiers.on_allocate(self, seq, hits)
         self.append_slots(seq, num_new_tokens)
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
@@ -128,7 +146,7 @@ class BlockManager:
 
     def append_blocks(self, seq: Sequence, count: int) -> None:
         for _ in range(count):
-            seq.block_table.append(self._pop_free_block())
+            seq.block_table.append(self.pop_free_block())
 
     def commit_full_blocks(self, seq: Sequence, num_computed_before: int,
                            num_computed_after: int | None = None) -> None:
@@ -144,10 +162,12 @@ class BlockManager:
         for i in range(num_computed_before // self.block_size, end // self.block_size):
             block = self.blocks[seq.block_table[i]]
             parent = self.block_hash(seq, i - 1) if i else None
-            self._register(block, self.block_hash(seq, i), self._block_tokens(seq, i), parent)
+            self.register(block, self.block_hash(seq, i), self.block_tokens(seq, i), parent)
+            if self.tiers is not None and block.hash is not None and block.digest is None:
+                block.digest = self.tiers.digest(self, seq, i)
 
-    def _register(self, block: Block, block_hash: int, tokens: tuple[int, ...],
-                  parent: int | None = None) -> None:
+    def register(self, block: Block, block_hash: int, tokens: tuple[int, ...],
+                 parent: int | None = None) -> None:
         if block.hash is not None:
             return  # a shared prefix block, registered by whoever computed it
         block.token_ids = tokens
@@ -163,7 +183,7 @@ class BlockManager:
     # -- release ---------------------------------------------------------------------------
     def free(self, seq: Sequence) -> None:
         """Drop seq's references; tail blocks are released first so they are evicted first."""
-        priority = self._release_priority(seq)
+        priority = self.release_priority(seq)
         for block_id in reversed(seq.block_table):
             if block_id == FREED:
                 break  # freed entries are a prefix of the table: nothing before is held
@@ -171,7 +191,7 @@ class BlockManager:
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
-                self._release(block, priority)
+                self.release(block, priority)
         seq.block_table = []
         seq.num_computed_tokens = 0
 
@@ -190,7 +210,7 @@ class BlockManager:
         table = seq.block_table
         dead = min(max(0, seq.num_computed_tokens - window + 1) // self.block_size, len(table))
         released: list[int] = []
-        priority = self._release_priority(seq)
+        priority = self.release_priority(seq)
         # Freed entries form a prefix, so walking back from the last dead one stops at once
         # in the common case (one new dead block every block_size steps, or none).
         i = dead - 1
@@ -201,7 +221,7 @@ class BlockManager:
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
-                self._release(block, priority)
+                self.release(block, priority)
             released.append(block_id)
             i -= 1
         return released
@@ -211,14 +231,14 @@ class BlockManager:
         returns the released block ids, latest first."""
         released: list[int] = []
         table = seq.block_table
-        priority = self._release_priority(seq)
+        priority = self.release_priority(seq)
         while len(table) > num_blocks:
             block_id = table.pop()
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
-                self._release(block, priority)
+                self.release(block, priority)
             released.append(block_id)
         return released
 
@@ -237,12 +257,12 @@ class BlockManager:
         self.cached_free.clear()
 
     # -- internals -------------------------------------------------------------------------
-    def _release_priority(self, seq: Sequence) -> int:
+    def release_priority(self, seq: Sequence) -> int:
         """Where seq's released blocks go in the eviction order
         (engine/kv_cache/evictable_blocks.py)."""
         return seq.params.priority if self.evict_by_priority else 0
 
-    def _release(self, block: Block, priority: int = 0) -> None:
+    def release(self, block: Block, priority: int = 0) -> None:
         if block.hash is not None:
             self.cached_free.add(block.block_id, priority)
         else:
@@ -255,10 +275,13 @@ class BlockManager:
             self.cached_free.remove(block_id)
         block.ref_count += 1
 
-    def _pop_free_block(self) -> int:
+    def pop_free_block(self) -> int:
         if self.free_blocks:
             block_id = self.free_blocks.popleft()
         else:
+            if self.tiers is not None:  # copied out before its slot is reused
+                self.tiers.offload(self, self.blocks[self.cached_free.victim()],
+                                   self.cached_free.victim_priority())
             block_id = self.cached_free.pop_victim()
             self._forget(self.blocks[block_id])
         self.blocks[block_id].ref_count = 1
@@ -269,4 +292,4 @@ class BlockManager:
             del self.hash_to_block[block.hash]
             if self.cache_events is not None:
                 self.cache_events.append(BlockUncached(block.hash))
-        block.hash, block.token_ids = None, ()
+        block.hash, block.token_ids, block.digest = None, (), None

@@ -17,6 +17,9 @@ class BlockCached:
     block_hash: int
     parent_hash: int | None  # the hash of the block before it in the sequence; None for the first
     token_ids: tuple[int, ...]
+    # Where it is stored, in vLLM's terms ("CPU" host tier, "STORAGE" disk tier;
+    # engine/kv_cache/tiers.py); None: the pool itself.
+    medium: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +27,7 @@ class BlockUncached:
     """A hash left the prefix cache: its block was evicted for reuse, or the cache was reset."""
 
     block_hash: int
+    medium: str | None = None  # as BlockCached's
 
 
 CacheEvent = BlockCached | BlockUncached

@@ -43,6 +43,18 @@ class CachedFree:
         if not blocks:
             del self._by_priority[priority]
 
+    def priority_of(self, block_id: int) -> int:
+        return self._priority_of[block_id]
+
+    def victim(self) -> int:
+        """The block pop_victim() would take, left in place (KeyError when none)."""
+        return next(iter(self._by_priority[self.victim_priority()]))
+
+    def victim_priority(self) -> int:
+        if not self._by_priority:
+            raise KeyError("no cached-free block to evict")
+        return max(self._by_priority)
+
     def pop_victim(self) -> int:
         """The block an allocation evicts: the least urgent releaser's, least recent first
         (KeyError when there is none, as an empty free list's)."""

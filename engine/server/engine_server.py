@@ -276,6 +276,8 @@ class EngineServer:
             else seq.first_token_time - seq.arrival_time,
             num_output_tokens=seq.num_output_tokens, num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens, num_preemptions=seq.num_preemptions,
+            num_host_cached_tokens=seq.num_host_cached_tokens,
+            num_disk_cached_tokens=seq.num_disk_cached_tokens,
             **self.engine.spec.delta_fields(seq))
 
     def _forget(self, rid: str, reason: str, seq=None) -> None:

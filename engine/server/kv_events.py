@@ -236,20 +236,22 @@ def to_vllm_events(records, block_size: int, medium: str) -> list[v.KVEvent]:
     out: list[v.KVEvent] = []
     for r in records:
         last = out[-1] if out else None
+        where = r.medium or medium  # a tier's own (CPU, STORAGE), else the pool's
         if isinstance(r, BlockCached):
             h = r.block_hash & HASH_MASK
             parent = None if r.parent_hash is None else r.parent_hash & HASH_MASK
-            if isinstance(last, v.BlockStored) and last.block_hashes[-1] == parent:
+            if isinstance(last, v.BlockStored) and last.medium == where \
+                    and last.block_hashes[-1] == parent:
                 last.block_hashes.append(h)
                 last.token_ids.extend(r.token_ids)
             else:
                 out.append(v.BlockStored([h], parent, list(r.token_ids), block_size, None,
-                                         medium, None, group_idx=0,
+                                         where, None, group_idx=0,
                                          kv_cache_spec_kind=FULL_ATTENTION))
         elif isinstance(r, BlockUncached):
             h = r.block_hash & HASH_MASK
-            if isinstance(last, v.BlockRemoved):
+            if isinstance(last, v.BlockRemoved) and last.medium == where:
                 last.block_hashes.append(h)
             else:
-                out.append(v.BlockRemoved([h], medium, group_idx=0))
+                out.append(v.BlockRemoved([h], where, group_idx=0))
     return out

@@ -23,6 +23,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvscope.engine.server.metrics_graphs import graph_families
 from kvscope.engine.server.metrics_moe import ExpertLoad, moe_families
 from kvscope.engine.server.metrics_prefix import prefixed
 from kvscope.engine.server.metrics_priority import (
@@ -32,6 +33,7 @@ from kvscope.engine.server.metrics_priority import (
     priority_families,
 )
 from kvscope.engine.server.metrics_spec import spec_families
+from kvscope.engine.server.metrics_tiers import tier_families
 from kvscope.ipc import messages as m
 
 PREFIX = "kvscope:"
@@ -229,6 +231,8 @@ class _StateCollector(Collector):
         out.extend(spec_families(PREFIX, state.stats, labels))
         if state.experts is not None:
             out.extend(moe_families(PREFIX, state.experts, labels))
+        out.extend(tier_families(PREFIX, state.stats, labels))
+        out.extend(graph_families(PREFIX, state.stats, labels))
         if state.kv_totals is not None:
             out.extend(kv_families(state.kv_totals, state.stats, labels))
         if state.device is not None:

@@ -136,7 +136,17 @@ def blocks_frame(engine, seq: int, sources: dict[str, str] | None = None,
         request_sources=dict(sources or {}),
         **_request_waits(live), preemptions=list(preemptions or ()),
         rolled_back_blocks=_rolled_back(engine),
-        **_totals(engine, flags, filled))
+        **_tier_counts(bm), **_totals(engine, flags, filled))
+
+
+def _tier_counts(bm) -> dict[str, int]:
+    """The KV tiers beside the pool (issue 56): nothing when there are none."""
+    if bm.tiers is None:
+        return {}
+    f = bm.tiers.stats_fields()
+    return {"tier_host_blocks": f["kv_host_blocks"],
+            "tier_host_capacity_blocks": f["kv_host_capacity_blocks"],
+            "tier_disk_blocks": f["kv_disk_blocks"], "tier_disk_bytes": f["kv_disk_bytes"]}
 
 
 def _rolled_back(engine) -> list[int]:

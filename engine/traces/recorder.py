@@ -27,6 +27,8 @@ from kvscope.ipc.trace_format import (
     Finish,
     Free,
     Header,
+    Offload,
+    Onboard,
     Preempt,
     Reconfigure,
     Step,
@@ -101,6 +103,9 @@ class TraceRecorder:
         sched = engine.scheduler
         before = {s.request_id: _Held(list(s.block_table), s.num_preemptions, s)
                   for s in (*sched.running, *sched.waiting)}
+        tiers = engine.block_manager.tiers
+        if tiers is not None:  # the tiers' offloads and onboardings, this step's
+            tiers.trace_events = []
         start = time.monotonic()
         result = step()
         end = time.monotonic()
@@ -112,6 +117,9 @@ class TraceRecorder:
             lines.append(_step_line(engine, result, t, end - start))
         reasons = {p.request_id: p.reason for p in sched.last_preemptions}
         lines += _block_lines(before, t, reasons)
+        if tiers is not None:
+            lines += _tier_lines(tiers.trace_events or [], t)
+            tiers.trace_events = None
         lines += _token_lines(result.outputs, self._t(end))
         self._out.write(lines)
         return result
@@ -157,6 +165,18 @@ def _block_lines(before: dict[str, _Held], t: float,
         if len(new) > len(old) and held(new[len(old):]):
             lines.append(Alloc(t=t, id=rid, blocks=held(new[len(old):])))
     return lines
+
+
+def _tier_lines(events, t: float) -> list[Event]:
+    """Offloads (summed per medium) and onboardings (per request) of one step."""
+    offloaded: dict[str, int] = {}
+    lines: list[Event] = []
+    for e in events:
+        if e.kind == "offload":
+            offloaded[e.medium] = offloaded.get(e.medium, 0) + e.blocks
+        else:
+            lines.append(Onboard(t=t, id=e.request_id, blocks=e.blocks, medium=e.medium))
+    return [Offload(t=t, blocks=n, medium=medium) for medium, n in offloaded.items()] + lines
 
 
 def held(table: list[int]) -> list[int]:

@@ -34,8 +34,8 @@ def test_an_evicted_and_refilled_block_changes_its_tag():
     before = decoded(engine).block_tags()
     cached = list(bm.cached_free)
     block = bm.blocks[cached[0]]
-    bm._forget(block)  # evicted, as _pop_free_block does
-    bm._register(block, hash(("other content",)), (1, 2, 3, 4))
+    bm._forget(block)  # evicted, as pop_free_block does
+    bm.register(block, hash(("other content",)), (1, 2, 3, 4))
     after = decoded(engine, 2).block_tags()
     assert after[block.block_id] != before[block.block_id] != -1
     others = np.arange(bm.num_blocks) != block.block_id

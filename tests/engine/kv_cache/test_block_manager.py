@@ -266,7 +266,7 @@ def test_chain_hash_same_block_under_another_prefix_does_not_hit():
     prefill(bm, a)
     b = make_seq([0, 0, 0, 0, 5, 6, 7, 8, 0])  # block 1 has a's tokens, block 0 does not
     assert bm.block_hash(b, 1) != bm.block_hash(a, 1)
-    assert bm._block_tokens(b, 1) == bm._block_tokens(a, 1)
+    assert bm.block_tokens(b, 1) == bm.block_tokens(a, 1)
     assert bm.match_prefix(b) == []
     prefill(bm, b)
     # b's second block is registered separately: same tokens, another prefix, another block.
