@@ -58,3 +58,17 @@ def test_moe_presets_match_their_model_cards():
     assert round(mixtral.active / 1e9, 1) == 12.9
     qwen2 = param_count(presets.QWEN2_7B)  # the hub's "7.62B params"
     assert round(qwen2.total / 1e9, 2) == 7.62 and not qwen2.moe
+
+
+def test_the_calculators_moe_presets_count_every_expert_for_what_fits():
+    """What fits swaps in a preset's weights: all of a mixture's experts (its total), while a
+    token reads only its active ones."""
+    from kvscope.app.calculator import kv_math
+
+    for name, total_b, active_b in (("Qwen3-30B-A3B (MoE)", 30.5, 3.35),
+                                    ("Mixtral-8x7B (MoE)", 46.7, 12.9)):
+        assert round(kv_math.PRESET_PARAMS_B[name], 1) == total_b
+        assert round(kv_math.PRESET_ACTIVE_PARAMS_B[name], 2 if active_b < 10 else 1) == active_b
+        assert kv_math.preset_weights_bytes(name) == int(kv_math.PRESET_PARAMS_B[name] * 2e9)
+    assert kv_math.PRESETS["Qwen3-30B-A3B (MoE)"] == (48, 4, 128)
+    assert kv_math.PRESETS["Mixtral-8x7B (MoE)"] == (32, 8, 128)
