@@ -10,14 +10,11 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from kvscope.engine.kv_cache.events import BlockCached, BlockUncached, CacheEvent
 from kvscope.engine.kv_cache.evictable_blocks import CachedFree
+from kvscope.engine.kv_cache.tier_hook import TierHook
 from kvscope.engine.sequence import Sequence
-
-if TYPE_CHECKING:
-    from kvscope.engine.kv_cache.tiers import KVTiers
 
 # A block-table entry whose block was released because it lies wholly behind a sliding
 # window (free_behind_window): the table keeps its length, so logical block i still covers
@@ -62,7 +59,7 @@ class BlockManager:
         self.journal: list[int] | None = None
         # The host and disk tiers behind the prefix cache (engine/kv_cache/tiers.py): an
         # evicted cached block goes there, a prefix lookup that misses here looks there.
-        self.tiers: KVTiers | None = None
+        self.tiers: TierHook | None = None
 
     # -- queries ---------------------------------------------------------------------------
     @property

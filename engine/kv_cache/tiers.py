@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -210,7 +210,7 @@ class KVTiers:
                 self._event(bm, BlockCached(block.hash, None, block.token_ids, DISK))
 
     # -- views -----------------------------------------------------------------------------
-    def stats_fields(self) -> dict[str, int]:
+    def stats_fields(self) -> dict[str, Any]:  # ints, for EngineStats(**...)
         """The tiers' part of EngineStats (ipc.messages)."""
         c, host, disk = self.counters, self.host, self.disk
         return {
