@@ -107,6 +107,24 @@ def test_preemption_under_a_tight_pool_keeps_outputs_exact(tiny):
     assert [o.token_ids for o in outs] == want
 
 
+def test_speculative_verifies_keep_outputs_exact(tiny, monkeypatch):
+    """Drafts verified in one forward (several rows per sequence through the experts) and
+    rolled back where rejected: the tokens stay HF's. The drafts come from an oracle that
+    knows HF's answer and spoils some of it (tests/engine/spec_decode/spec_oracle.py), so
+    accepted and rejected tokens both occur."""
+    from kvscope.engine.spec_decode import decoder as spec_decode
+    from tests.engine.spec_decode.spec_oracle import Oracle
+
+    _, path, _, want = tiny
+    oracle = Oracle({tuple(p): w for p, w in zip(PROMPTS, want, strict=True)}, 256)
+    monkeypatch.setattr(spec_decode, "propose_matched", oracle.matched)
+    llm = make_llm(path, speculative_method="ngram", num_speculative_tokens=3)
+    outs = llm.generate(PROMPTS, greedy())
+    assert [o.token_ids for o in outs] == want
+    c = llm.engine.spec.counters
+    assert 0 < c.num_accepted_tokens < c.num_draft_tokens
+
+
 def test_prefix_cache_hits_keep_outputs_exact(tiny):
     """Prompts sharing a 24-token prefix: the second batch reads the first's blocks."""
     _, path, hf, _ = tiny
