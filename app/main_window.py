@@ -438,7 +438,7 @@ class MainWindow(QMainWindow):
         headline, _, details = reason.partition("\n")
         self.status.mark_dead(headline, exited=True)  # the first reason stays
         if details and self.status.dead_reason == headline:
-            self.status.engine_label.setToolTip(f"{headline}\n{details}")
+            self.status.engine_label.setToolTip(f"engine is dead: {headline}\n{details}")
         self.chat.set_engine_alive(False, self.status.dead_reason)
         self.kv_calculator.fits.set_device(None)  # that device's free memory is no longer known
         self.device_panel.mark_stale("engine dead")
