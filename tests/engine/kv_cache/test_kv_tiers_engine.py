@@ -12,6 +12,7 @@ from kvscope.engine import LLM, EngineConfig, SamplingParams
 from kvscope.engine.loading.loader import load_model
 from kvscope.engine.server.kv_events import to_vllm_events
 from kvscope.engine.server.metrics_tiers import tier_families
+from kvscope.engine.traces.export_perfetto import to_chrome
 from kvscope.engine.traces.recorder import start_trace
 from kvscope.ipc.trace_format import Offload, Onboard, read_trace
 from kvscope.kvmath.kv_dtypes import STORED_KV_DTYPES
@@ -146,6 +147,7 @@ def test_trace_events_and_metrics_see_the_tiers(tiny, tmp_path):
         llm.generate([p], GREEDY)
     engine.stop_trace()
     trace = read_trace(tmp_path / "t.jsonl")
+    assert to_chrome(trace)["traceEvents"]  # the export passes over the new events
     assert sum(e.blocks for e in trace.of_type(Offload)) == llm.stats().kv_offloaded_blocks > 0
     onboard = trace.of_type(Onboard)
     assert onboard and all(e.medium == "CPU" for e in onboard)
