@@ -88,6 +88,7 @@ class BlockMap(QWidget):
         self.history = RequestHistory()
         self.hovered = -1
         self.stale: str | None = None  # why the frame on screen is old (the engine died)
+        self._fitted: dict[QLabel, str] = {}  # each detail label's text when last fitted
         self.bytes_per_token: int | None = None
         self.shape = (1, 1)
         self._dirty = False
@@ -317,7 +318,10 @@ class BlockMap(QWidget):
     def _fit_labels(self, *labels: QLabel) -> None:
         """A text longer than the lines its label was given grows the label (no cut line),
         and the side panel's scrolled height with it."""
-        if any([grow_to_fit(label) for label in labels]):
+        changed = [label for label in labels if self._fitted.get(label) != label.text()]
+        for label in changed:  # a text seen before was fitted then: no layout to measure
+            self._fitted[label] = label.text()
+        if any([grow_to_fit(label) for label in changed]):
             side = self.side_area.widget()
             side.setMinimumHeight(side.layout().sizeHint().height())
 
