@@ -7,9 +7,11 @@ layout, blocks of 16 outputs: codes [N / 16, K, 16], scales [N / 16, K / 32, 16]
 Per output and group it sums x_k * code_k in input order, then adds the sum times the scale,
 so a row's bits do not depend on the call's other rows or its thread split: the choice between
 `native` (torch's threads) and `native-serial` (the calling thread) is speed alone, made per
-weight shape, row bucket and thread count on first use (kernels.kernel_choice). There is no
-torch candidate: torch has no kernel for this layout, and a dequantized float matmul would
-round a row differently from one row count to the next.
+weight shape, row bucket and thread count on first use (kernels.kernel_choice). Below
+TOP_BUCKET rows (decode, speculative verify, small prompt pieces) there is no torch candidate:
+a dequantized float matmul would round a row differently from one row count to the next. A
+prefill chunk (TOP_BUCKET rows and more) also times torch's matmul on the dequantized weight,
+whose blocked GEMM (AMX, AVX-512 BF16) wins once rows reuse each weight many times.
 """
 from __future__ import annotations
 
@@ -17,9 +19,10 @@ import ctypes
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from kvscope.kernels import kernel_choice, native
-from kvscope.kernels.cpu_linear import NATIVE, SERIAL, TOP_BUCKET, bucket, bucket_label
+from kvscope.kernels.cpu_linear import NATIVE, SERIAL, TOP_BUCKET, TORCH, bucket, bucket_label
 
 BLOCK = 16  # outputs a block of the layout
 GROUP = 32  # inputs sharing a scale
@@ -90,6 +93,8 @@ def int8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch
     m, k = x.shape
     n = codes.shape[0] * BLOCK
     impl = implementation(m, n, k) or _choose(x, codes, scales)
+    if impl == TORCH:
+        return torch_int8(x, codes, scales)
     return native_int8(x, codes, scales, parallel=impl == NATIVE)
 
 
@@ -110,9 +115,21 @@ def decision_name(rows: int, n: int, k: int) -> str:
 
 def candidates(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
                ) -> dict[str, Callable[[], object]]:
-    """The thread splits compared, each on x's first TOP_BUCKET rows."""
+    """The implementations compared, each on x's first TOP_BUCKET rows: the thread splits,
+    and from TOP_BUCKET rows up (a prefill chunk) torch's matmul of the dequantized weight."""
     rows = x[:TOP_BUCKET].contiguous()
     got: dict[str, Callable[[], object]] = {NATIVE: lambda: native_int8(rows, codes, scales)}
     if torch.get_num_threads() > 1:
         got[SERIAL] = lambda: native_int8(rows, codes, scales, parallel=False)
+    if bucket(len(x)) == TOP_BUCKET:
+        got[TORCH] = lambda: torch_int8(rows, codes, scales)
     return got
+
+
+def torch_int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """torch's matmul (oneDNN: AMX or AVX-512 BF16 for a bfloat16 model where the CPU has
+    them) on the weight dequantized in x's dtype for this call. Its rounding depends on the row
+    count, so it is a candidate only for prefill chunks (TOP_BUCKET rows and more), never
+    for the decode buckets, whose rows must round alike at every batch size; at those row
+    counts the dequantization (one write of the weight) is small beside the multiply-adds."""
+    return F.linear(x, dequantize(codes, scales).to(x.dtype))

@@ -103,3 +103,19 @@ def test_without_the_native_kernels_it_multiplies_the_dequantized_weight(monkeyp
     native_y = lin(x)
     lin.native = False
     assert torch.allclose(lin(x), native_y, rtol=1e-4, atol=1e-5)
+
+
+def test_torch_is_a_candidate_for_prefill_chunks_only(monkeypatch):
+    # a decode bucket's rows must round alike at every batch size: native splits only there
+    _, _, _, blocked, blocked_scales = packed(32, 64)
+    assert set(cpu_int8.candidates(rows(8, 64), blocked, blocked_scales)) <= {
+        cpu_int8.NATIVE, cpu_int8.SERIAL}
+    x = rows(300, 64)
+    assert cpu_int8.TORCH in cpu_int8.candidates(x, blocked, blocked_scales)
+    monkeypatch.setattr(cpu_int8, "implementation", lambda rows, n, k: cpu_int8.TORCH)
+    got = cpu_int8.int8_mm(x, blocked, blocked_scales)
+    want = cpu_int8.native_int8(x, blocked, blocked_scales)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+    got16 = cpu_int8.int8_mm(x.bfloat16(), blocked, blocked_scales)
+    assert got16.dtype == torch.bfloat16
+    assert (got16.float() - want).abs().max() <= 2e-2 * want.abs().max()
