@@ -114,6 +114,9 @@ class EngineConfig:
     kv_offload_bytes: int = DEFAULT_KV_OFFLOAD_BYTES
     kv_disk_bytes: int = DEFAULT_KV_DISK_BYTES
     kv_disk_dir: str = ""  # "": under the user's cache folder (engine.kv_cache.disk_tier)
+    # Decode steps replay CUDA graphs per batch-size bucket (engine/cuda_graphs, CUDA only,
+    # behind a start-up self-check); True runs every step eagerly (vLLM's --enforce-eager).
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -142,6 +145,8 @@ class EngineConfig:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if hi < lo:
             _fail("prompt_lookup_max", hi, f"an integer >= prompt_lookup_min ({lo})")
+        if not isinstance(self.enforce_eager, bool):
+            _fail("enforce_eager", self.enforce_eager, "True or False")
         self._validate_tiers()
 
     def _validate_tiers(self) -> None:

@@ -20,6 +20,7 @@ from kvscope.engine.config import (
     resolve_kv_dtype,
     resolve_kv_rotation,
 )
+from kvscope.engine.cuda_graphs.backend import GraphBackend
 from kvscope.engine.detokenizer import Decoder, decode_delta, decode_rest
 from kvscope.engine.kv_cache import memory as kv_memory
 from kvscope.engine.kv_cache.block_manager import BlockManager
@@ -40,7 +41,7 @@ from kvscope.engine.model.step_interrupt import (
     interrupts_enabled,
 )
 from kvscope.engine.model.weight_formats import resolve_weights
-from kvscope.engine.model_runner import ModelRunner
+from kvscope.engine.model_runner import ModelRunner, default_graph_backend, runner_for
 from kvscope.engine.outputs import RequestOutput, StepResult, TokenDelta
 from kvscope.engine.sampler import make_generator, sample
 from kvscope.engine.sampling_params import SamplingParams
@@ -81,7 +82,10 @@ class LLMEngine:
     scheduler: Scheduler
     runner: ModelRunner
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 graph_backend: GraphBackend | None = None) -> None:
+        """`graph_backend`: how decode steps are captured (engine.cuda_graphs.backend);
+        None: CUDA graphs on CUDA, none elsewhere (tests pass the CPU stand-in)."""
         config.validate()
         self.config = config
         self.device = resolve_device(config.device)
@@ -116,6 +120,7 @@ class LLMEngine:
         # A request of higher priority may abandon a step of less urgent work midway.
         self.interrupt = self.model.interrupt = StepInterrupt()
         self._interrupts = interrupts_enabled()
+        self.graph_backend = graph_backend or default_graph_backend(self.device)
         self._build_pool(previous=None)
 
     # -- pool ------------------------------------------------------------------------------
@@ -142,7 +147,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.block_manager.tiers = self._tiers(cfg)
         self.scheduler = scheduler_for(self.block_manager, cfg, previous)
-        self.runner = ModelRunner(self.model, self.pool)
+        self.runner = runner_for(self.model, self.pool, self.graph_backend, cfg.max_num_seqs,
+                                 self.max_model_len, cfg.enforce_eager)
 
     def _tiers(self, cfg: EngineConfig) -> KVTiers | None:
         """The host and disk tiers behind this pool's prefix cache, keyed to it; None: off."""
@@ -159,6 +165,9 @@ class LLMEngine:
         """Let the old pool go (the runner holds it too) and hand its memory back before the
         new one is built, so a rebuild never holds two pools (engine.kv_cache.memory). Absent
         already when a rebuild failed and the old settings are being restored."""
+        runner = self.__dict__.get("runner")
+        if runner is not None and runner.graphs is not None:  # their memory goes first
+            runner.graphs.release()
         for name in ("runner", "pool"):
             self.__dict__.pop(name, None)
         kv_memory.release_freed(self.device)
@@ -492,7 +501,11 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         bm, pool = self.block_manager, self.pool
         rotated = self.kv_rotation != "none"
-        return EngineStats(
+        g = self.runner.graph_stats()
+        stats = EngineStats(
+            cuda_graphs=g.status, cuda_graphs_reason=g.reason, cuda_graph_sizes=g.sizes,
+            cuda_graph_capture_s=g.capture_s, cuda_graph_bytes=g.graph_bytes,
+            steps_by_path=g.steps_by_path,
             num_kv_blocks=bm.num_blocks, block_size=bm.block_size,
             kv_dtype=kv_dtype_name(self.kv_dtype), kv_rotation=self.kv_rotation,
             kv_rotation_matrix=matrix_name(self.model.shape.head_dim) if rotated else None,
@@ -511,3 +524,4 @@ class LLMEngine:
             dtype=str(self.dtype).removeprefix("torch."), weights=self.weights,
             **self.spec.stats_fields(),
             **(bm.tiers.stats_fields() if bm.tiers is not None else {}))
+        return stats

@@ -203,6 +203,8 @@ class EngineSettings(msgspec.Struct, kw_only=True):
     kv_offload_bytes: int = 0  # host-memory tier for evicted cached blocks; 0 = off
     kv_disk_bytes: int = 0  # disk tier, kept across restarts; 0 = off
     kv_disk_dir: str = ""  # "": under the user's cache folder
+    # Added with issue 54 (an older engine sends none: graphs were not there).
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps
 
 
 class EngineStats(msgspec.Struct, kw_only=True):
@@ -260,6 +262,13 @@ class EngineStats(msgspec.Struct, kw_only=True):
     kv_disk_refused_blocks: int = 0  # bad key, checksum or size: deleted, never loaded
     prefix_cache_hits_host: int = 0  # of prefix_cache_hits, tokens the host tier gave back
     prefix_cache_hits_disk: int = 0  # ... and the disk tier
+    # CUDA graphs for decode steps (issue 54; an older engine sends none: off).
+    cuda_graphs: str = "off"  # "on (cuda)", "on (recorded)" (the CPU stand-in) or "off"
+    cuda_graphs_reason: str = ""  # why off: "enforce_eager", "self-check failed: ..."
+    cuda_graph_sizes: list[int] = []  # the captured batch-size buckets
+    cuda_graph_capture_s: float = 0.0
+    cuda_graph_bytes: int = 0  # the graphs' shared memory pool
+    steps_by_path: dict[str, int] = {}  # "graph:16", "eager:prefill", ... -> steps, cumulative
 
     @property
     def spec_mean_acceptance_length(self) -> float:
@@ -383,6 +392,9 @@ class StepFrame(msgspec.Struct, kw_only=True):
     # Added with issue 55 (a dense model, or an older engine, sends none): tokens routed to
     # each expert in this step, summed over the MoE layers (a token counts once per layer).
     expert_load: list[int] | None = None
+    # Added with issue 54: the latest step's path, "graph:16" (its bucket) or "eager:prefill"
+    # and the like (why eager); "" from an older engine.
+    step_path: str = ""
 
 
 class PreemptionEvent(msgspec.Struct, array_like=True):

@@ -90,6 +90,10 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                         "the protected steps run) stays within X times what the urgent "
                         "decodes cost alone, in place of those tokens; 1 = the tokens only "
                         "(default 2)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="run every step eagerly: no CUDA graphs for decode steps (on CUDA "
+                        "they are on by default, behind a start-up self-check; the CPU "
+                        "always runs eagerly)")
     g.add_argument("--speculative-config", type=parse_speculative_config, default={},
                    metavar="JSON",
                    help='speculative decoding from the context, as vLLM\'s: \'{"method": '
@@ -141,7 +145,8 @@ def engine_config_from_args(args) -> EngineConfig:
         priority_step_stretch=args.priority_step_stretch,
         kv_offload_bytes=getattr(args, "kv_offload_bytes", 0),
         kv_disk_bytes=getattr(args, "kv_disk_bytes", 0),
-        kv_disk_dir=getattr(args, "kv_disk_dir", ""), **_speculative(args))
+        kv_disk_dir=getattr(args, "kv_disk_dir", ""),
+        enforce_eager=getattr(args, "enforce_eager", False), **_speculative(args))
 
 
 def _speculative(args) -> dict[str, Any]:

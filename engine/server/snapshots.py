@@ -101,7 +101,8 @@ class StepLog:
             prompt_tokens_total=engine.num_prompt_tokens,
             generated_tokens_total=engine.num_generated_tokens,
             history=history, history_dropped_total=self.history_dropped,
-            expert_load=self.expert_load)
+            expert_load=self.expert_load,
+            step_path=engine.runner.last_path.label)
 
 
 def blocks_frame(engine, seq: int, sources: dict[str, str] | None = None,
