@@ -195,6 +195,7 @@ class SourceWindow(QMainWindow):
         self.chat.fail_all(f"{self.source.kind} went away: {reason}")
         if self.slot_map is not None:
             self.slot_map.mark_stale(f"{self.source.kind} is unreachable: {reason}")
+        self.plots.mark_stale(reason)  # its last rates stay, greyed, until it reports again
 
     def on_engine_revived(self) -> None:
         self.status.mark_alive()

@@ -109,15 +109,19 @@ def test_dead_with_the_reason_then_back(qtbot, fake):
     window = llama_window(qtbot, fake.url, timeout_s=0.5)
     window.start()
     try:
-        qtbot.waitUntil(lambda: window.status.state == "alive", timeout=30_000)
+        qtbot.waitUntil(lambda: window.status.state == "alive"
+                        and window.plots.last_stats is not None, timeout=30_000)
         fake.stop()
         qtbot.waitUntil(lambda: window.status.state == "dead", timeout=30_000)
         assert f"127.0.0.1:{fake.port}/health" in window.status.state_label.text()
         assert "DEAD" in window.header.text() and not window.chat.send_button.isEnabled()
         assert "unreachable" in window.slot_map.message
+        window.plots.refresh()
+        assert window.plots.summary.text().startswith("(engine stopped)")  # its last rates
         fake.start()
         qtbot.waitUntil(lambda: window.status.state == "alive", timeout=30_000)
         assert window.chat.send_button.isEnabled()
+        qtbot.waitUntil(lambda: not window.plots.stale, timeout=30_000)
         qtbot.waitUntil(lambda: window.slot_map.message == "", timeout=30_000)
     finally:
         window.close()
