@@ -131,9 +131,18 @@ def build_workload(seed: int, n: int, prompt_range: tuple[int, int],
 
 # -- FLOPs, peak, KV waste -----------------------------------------------------------------
 def matmul_params_per_layer(model) -> int:
-    """Weights every fed token multiplies through (all layers)."""
-    return sum(math.prod(w.shape) for layer in model.layers
-               for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+    """Weights every fed token multiplies through (all layers): in a mixture-of-experts layer
+    the router and top_k experts' matmuls, the active parameters, not every expert's."""
+    return sum(_layer_params(layer, model.moe) for layer in model.layers)
+
+
+def _layer_params(layer, moe) -> int:
+    attention = math.prod(layer.qkv.shape) + math.prod(layer.o_proj.shape)
+    experts = layer.experts
+    if experts is None:
+        return attention + math.prod(layer.gate_up.shape) + math.prod(layer.down.shape)
+    one = math.prod(experts.gate_up[0].shape) + math.prod(experts.down[0].shape)
+    return attention + math.prod(experts.router.shape) + moe.top_k * one
 
 
 def attention_flops(shape, context_sum: int) -> int:

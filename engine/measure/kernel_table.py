@@ -22,8 +22,7 @@ def model_decisions(model: Any, concurrency: int) -> list[tuple[Any, int]]:
     from kvscope.kernels import cpu_linear
 
     decode = sorted({cpu_linear.bucket(r) for r in range(1, concurrency + 1)})
-    layers = [getattr(layer, n) for layer in model.layers
-              for n in ("qkv", "o_proj", "gate_up", "down")]
+    layers = [lin for layer in model.layers for lin in layer.linears()]
     out: list[tuple[Any, int]] = []
     seen: set[tuple[object, ...]] = set()
     for lin, buckets in [(x, [*decode, cpu_linear.TOP_BUCKET]) for x in layers] + [
