@@ -127,9 +127,15 @@ def candidates(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
 
 
 def torch_int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """torch's matmul (oneDNN: AMX or AVX-512 BF16 for a bfloat16 model where the CPU has
-    them) on the weight dequantized in x's dtype for this call. Its rounding depends on the row
-    count, so it is a candidate only for prefill chunks (TOP_BUCKET rows and more), never
-    for the decode buckets, whose rows must round alike at every batch size; at those row
-    counts the dequantization (one write of the weight) is small beside the multiply-adds."""
-    return F.linear(x, dequantize(codes, scales).to(x.dtype))
+    """torch's matmul (oneDNN: AMX or AVX-512 BF16 where the CPU has them) on the weight
+    dequantized to bfloat16 for this call (kernels/cpu_int8_gemm.c, one pass), the rows
+    rounded to bfloat16 as the int4 format rounds every row; [M, N] in x's dtype. Its
+    rounding depends on the row count, so it is a candidate only for prefill chunks
+    (TOP_BUCKET rows and more), never for the decode buckets, whose rows must round alike at
+    every batch size; at those row counts the dequantization (one write of the weight) is
+    small beside the multiply-adds."""
+    n, k = codes.shape[0] * BLOCK, codes.shape[1]
+    weight = torch.empty((n, k), dtype=torch.bfloat16)
+    native.require_library().kvscope_int8_dequant_bf16(weight.data_ptr(), codes.data_ptr(),
+                                                       scales.data_ptr(), n, k)
+    return F.linear(x.to(torch.bfloat16), weight).to(x.dtype)

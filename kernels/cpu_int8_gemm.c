@@ -232,3 +232,20 @@ int kvscope_int8_gemm(void *y, int y_kind, const void *x, int x_kind, const int8
     free(widened);
     return 0;
 }
+
+/* The weight dequantized to bfloat16 rows, out [N, K] = code * scale rounded, for torch's
+ * blocked matmul on a prefill chunk (kernels/cpu_int8.py: a measured candidate from 256 rows
+ * up, where AMX or AVX-512 BF16 outrun this file's float32 FMAs). One pass over the codes,
+ * shared over torch's threads. */
+void kvscope_int8_dequant_bf16(uint16_t *out, const int8_t *codes, const float *scales,
+                               int64_t N, int64_t K) {
+    const int64_t blocks = N / I8_BLOCK, groups = K / I8_GROUP;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t g = 0; g < groups; g++)
+            for (int64_t k = g * I8_GROUP; k < (g + 1) * I8_GROUP; k++)
+                for (int64_t j = 0; j < I8_BLOCK; j++)
+                    out[(b * I8_BLOCK + j) * K + k] = f32_to_bf16(
+                        (float)codes[(b * K + k) * I8_BLOCK + j]
+                        * scales[(b * groups + g) * I8_BLOCK + j]);
+}

@@ -55,6 +55,7 @@ SIGNATURES = {
     "kvscope_int4_gemm": [P, INT, P, INT, P, P, I64, I64, I64, INT, I64],
     "kvscope_int4_tiles_gemm": [P, INT, P, INT, P, I64, I64, I64, INT],
     "kvscope_int8_gemm": [P, INT, P, INT, P, P, I64, I64, I64, INT],  # ..., parallel
+    "kvscope_int8_dequant_bf16": [P, P, P, I64, I64],
     "kvscope_int4_tiles_pack": [P, P, P, I64, I64],
     "kvscope_int4_tiles_ready": [],
     "kvscope_kv_write": [P, I64, I64, I64, P, P, P, P, P, P, INT],
