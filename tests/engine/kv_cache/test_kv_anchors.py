@@ -121,14 +121,19 @@ def test_cpu_kernel_other_head_dims_and_bfloat16_rows():
     query, kc, vc, meta, _ = build_batch(q_lens, ctx_lens, 4, 4, 2, 24, num_blocks=40,
                                               seed=5)
     (kq, ks), (vq, vs) = quantize(kc, torch.int8), quantize(vc, torch.int8)
-    anchors = (torch.randn(1, 4, 2, 24) * 3, torch.randn(1, 4, 2, 24) * 3)
+    gen = torch.Generator().manual_seed(5)  # not the global RNG: the order tests run in
+    anchors = (torch.randn(1, 4, 2, 24, generator=gen) * 3,
+               torch.randn(1, 4, 2, 24, generator=gen) * 3)
     meta.anchor_index = torch.tensor([0, -1, 0])
     want = paged_attention_ref(query, kq, vq, meta, 0.2, ks, vs, anchors)
     got = cpu_attention.paged_attention_cpu(query, kq, vq, meta, 0.2, ks, vs, anchors)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    got16 = cpu_attention.paged_attention_cpu(query.bfloat16(), kq, vq, meta, 0.2, ks, vs,
-                                              anchors)
-    torch.testing.assert_close(got16.float(), want, rtol=2e-2, atol=2e-2)
+    # bfloat16 rows: against the reference over the same rounded query, so what is left is the
+    # kernel's own rounding of its output to bfloat16 (2^-8 relative).
+    q16 = query.bfloat16()
+    want16 = paged_attention_ref(q16.float(), kq, vq, meta, 0.2, ks, vs, anchors)
+    got16 = cpu_attention.paged_attention_cpu(q16, kq, vq, meta, 0.2, ks, vs, anchors)
+    torch.testing.assert_close(got16.float(), want16, rtol=8e-3, atol=8e-3)
 
 
 # -- the engine -----------------------------------------------------------------------------
