@@ -43,6 +43,33 @@ def test_quick_leaves_out_the_listed_and_the_marked_tests(suite: pytest.Pytester
     result.assert_outcomes(passed=1, deselected=2)
 
 
+FIXTURE = """
+import time
+import pytest
+
+@pytest.fixture(scope="module")
+def server():
+    time.sleep(1.05)
+
+def test_first(server):
+    pass
+
+def test_second(server):
+    pass
+"""
+
+
+def test_a_slow_module_fixture_lists_its_whole_file(pytester: pytest.Pytester):
+    pytester.makepyfile(test_served=FIXTURE, test_plain="def test_alone():\n    pass\n")
+    out = pytester.path / "slow.txt"
+    pytester.runpytest("-p", "tests.support.durations", "--record-durations", str(out))
+    listed = [line for line in out.read_text().splitlines() if not line.startswith("#")]
+    assert "test_served.py" in listed and "test_plain.py::test_alone" not in listed
+    result = pytester.runpytest("-p", "tests.support.durations", "--quick", "--slow-list",
+                                str(out))
+    result.assert_outcomes(passed=1, deselected=2)
+
+
 def test_without_quick_everything_runs(suite: pytest.Pytester):
     (suite.path / "slow.txt").write_text("test_sample.py::test_slow\n")
     result = suite.runpytest("-p", "tests.support.durations",

@@ -82,7 +82,14 @@ def test_metrics_carry_vllms_prefix(client, server):
     assert "vllm:num_requests_running{" in text and "vllm:kv_cache_usage_perc{" in text
     assert "vllm:prefix_cache_hits_total{" in text
     assert "kvscope:" not in text
+    # Its own request (not an earlier test's: make check may run this test alone), then the
+    # counters once the events are published.
+    client.generate(list(range(40, 58)), {"max_tokens": 2}, timeout=120)
+    deadline = time.monotonic() + 30
     kv_events = client.snapshot(timeout=60).stats.server.kv_events
+    while kv_events is not None and kv_events.batches < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        kv_events = client.snapshot(timeout=60).stats.server.kv_events
     assert kv_events is not None and kv_events.batches >= 1 and kv_events.batches_dropped == 0
 
 

@@ -5,6 +5,8 @@ Which tests are slow is measured, not guessed: `make durations` runs the whole s
 teardown took at least SLOW_SECONDS on this machine. `make check` runs `pytest --quick`, which
 deselects those and the `slow` (embedded model) tests. A test added since the last recording
 runs in the quick subset until the next one; a test gone from the suite leaves a stale line.
+A test whose setup alone took that long (a module fixture starting a server or loading a model)
+lists its whole file: every test of the file pays that fixture when any of them runs.
 Loaded as a plugin by tests/conftest.py.
 """
 from __future__ import annotations
@@ -48,7 +50,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     keep: list[pytest.Item] = []
     drop: list[pytest.Item] = []
     for item in items:
-        heavy = item.nodeid in slow or item.get_closest_marker("slow") is not None
+        heavy = (item.nodeid in slow or item.nodeid.split("::")[0] in slow
+                 or item.get_closest_marker("slow") is not None)
         (drop if heavy else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
@@ -61,12 +64,16 @@ class DurationRecorder:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.seconds: dict[str, float] = {}
+        self.slow_setup_files: set[str] = set()
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + report.duration
+        if report.when == "setup" and report.duration >= SLOW_SECONDS:
+            self.slow_setup_files.add(report.nodeid.split("::")[0])
 
     def pytest_sessionfinish(self) -> None:
-        slow = sorted(n for n, s in self.seconds.items() if s >= SLOW_SECONDS)
+        slow = sorted({n for n, s in self.seconds.items() if s >= SLOW_SECONDS}
+                      | self.slow_setup_files)
         self.path.write_text(HEADER.format(SLOW_SECONDS) + "".join(f"{n}\n" for n in slow))
 
 
